@@ -1,0 +1,155 @@
+"""The typed error tree every HTTP service raises, and the one boundary that turns it into a body.
+
+Handlers raise `APIError` subclasses; `error_middleware(render)` maps them (and any unexpected
+exception, as a 500 without a stack trace) to a JSON response in the API's own shape. The engine
+uses `openai_error_body`; the router picks a shape per endpoint (OpenAI, Anthropic, Responses).
+`request_id_middleware` gives every request an id (X-Request-ID accepted, or a new one), puts it
+in the logging context and echoes it on the response.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from loguru import logger
+
+from stack.common import events
+from stack.common.logging import log_event
+
+REQUEST_ID_HEADER = "X-Request-ID"
+
+
+class APIError(Exception):
+    """Base: an error a client can see. Subclasses fix status and OpenAI `type`."""
+
+    status: int = 500
+    type: str = "server_error"
+
+    def __init__(self, message: str, *, code: str | None = None, param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+
+class InvalidRequest(APIError):
+    """The request body or parameters are wrong (400)."""
+
+    status, type = 400, "invalid_request_error"
+
+
+class Unauthorized(APIError):
+    """Missing, malformed or unknown API key (401)."""
+
+    status, type = 401, "authentication_error"
+
+
+class PermissionDenied(APIError):
+    """The key is valid but may not do this (403)."""
+
+    status, type = 403, "permission_error"
+
+
+class NotFound(APIError):
+    """Unknown model or route (404)."""
+
+    status, type = 404, "not_found_error"
+
+
+class PayloadTooLarge(APIError):
+    """The request body exceeds the size limit (413)."""
+
+    status, type = 413, "request_too_large"
+
+
+class RateLimited(APIError):
+    """A per-key rate or concurrency limit was hit; retry later (429)."""
+
+    status, type = 429, "rate_limit_exceeded"
+
+
+class QuotaExhausted(APIError):
+    """The key's total token quota is used up; retrying will not help (429)."""
+
+    status, type = 429, "insufficient_quota"
+
+
+class Overloaded(APIError):
+    """Every backend slot is busy and the queue is full, or no backend is up (503)."""
+
+    status, type = 503, "overloaded_error"
+
+
+class UpstreamError(APIError):
+    """A backend answered with an error or broke the connection (502)."""
+
+    status, type = 502, "upstream_error"
+
+
+class UpstreamTimeout(APIError):
+    """A backend did not answer in time (504)."""
+
+    status, type = 504, "timeout_error"
+
+
+class ServerError(APIError):
+    """A bug or an unexpected condition inside the service (500)."""
+
+    status, type = 500, "server_error"
+
+
+def openai_error_body(err: APIError) -> dict[str, Any]:
+    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+
+
+Renderer = Callable[[web.Request, APIError], dict[str, Any]]
+
+
+def error_response(request: web.Request, err: APIError, render: Renderer = lambda _r, e: openai_error_body(e)) -> web.Response:
+    headers = {REQUEST_ID_HEADER: request.get("request_id", "-"), **err.headers}
+    return web.json_response(render(request, err), status=err.status, headers=headers, dumps=json.dumps)
+
+
+def error_middleware(render: Renderer = lambda _r, e: openai_error_body(e)) -> Callable:
+    """The single place where exceptions become HTTP error bodies."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as err:
+            level = "WARNING" if err.status < 500 else "ERROR"
+            event = events.HTTP_BAD_REQUEST if err.status < 500 else events.HTTP_ERROR
+            log_event(event, err.message, level, status=err.status, type=err.type, code=err.code)
+            return error_response(request, err, render)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            # aiohttp's own 404/405/413 become errors in the API's shape.
+            mapped = {404: NotFound, 405: InvalidRequest, 413: PayloadTooLarge}.get(exc.status, InvalidRequest)
+            err = mapped(f"{exc.reason}: {request.method} {request.path}" if exc.status in (404, 405) else exc.reason, code=str(exc.status))
+            err.status = exc.status
+            log_event(events.HTTP_BAD_REQUEST, err.message, "WARNING", status=err.status, type=err.type)
+            return error_response(request, err, render)
+        except Exception:
+            logger.bind(event=events.HTTP_ERROR).opt(exception=True).error(f"unhandled error on {request.method} {request.path}")
+            return error_response(request, ServerError("internal error; see the service log for this request id"), render)
+
+    return middleware
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Accept X-Request-ID (or mint one), log under it, and echo it back."""
+    request_id = request.headers.get(REQUEST_ID_HEADER, "").strip()[:128] or uuid.uuid4().hex
+    request["request_id"] = request_id
+    with logger.contextualize(request_id=request_id):
+        response = await handler(request)
+    if not response.prepared:
+        response.headers[REQUEST_ID_HEADER] = request_id
+    return response

@@ -1,0 +1,70 @@
+"""Every log event name the services emit. Logs are an API: the doctor reads these names.
+
+Rules: names are `area.what_happened`, lower case; never rename one (add a new one instead);
+every event a service logs is a constant here, and `ALL` lists them for the doctor and the tests.
+Each line carries the flat fields `ts, level, service, event, request_id, msg` plus the extra
+fields named in the comment (numbers are plain JSON numbers, durations in ms, sizes in bytes).
+"""
+
+# -- any service -------------------------------------------------------------------------------
+SERVICE_STARTING = "service.starting"  # config (path), role/version facts
+SERVICE_READY = "service.ready"  # health flipped to SERVING; warmup_ms
+SERVICE_STOPPING = "service.stopping"  # signal received
+CONFIG_IGNORED = "config.ignored"  # key, value: accepted but meaningless on CPU (logged once)
+CONFIG_INVALID = "config.invalid"  # file, key, problem (then the process exits 2)
+HTTP_ACCESS = "http.access"  # method, path, status, duration_ms
+HTTP_BAD_REQUEST = "http.bad_request"  # status, type, code, message (4xx answered to a client)
+HTTP_ERROR = "http.error"  # status, type, message; an internal error (5xx) with traceback in log only
+
+# -- engine: requests --------------------------------------------------------------------------
+ENGINE_REQUEST_RECEIVED = "engine.request_received"  # prompt_tokens, max_tokens, stream, role
+ENGINE_REQUEST_QUEUED = "engine.request_queued"  # waiting for KV blocks; blocks_needed, blocks_free
+ENGINE_PREFILL_DONE = "engine.prefill_done"  # prompt_tokens, prefill_ms
+ENGINE_FIRST_TOKEN = "engine.first_token"  # ttft_ms
+ENGINE_REQUEST_FINISHED = "engine.request_finished"  # prompt_tokens, completion_tokens, finish_reason, e2e_ms
+ENGINE_REQUEST_CANCELLED = "engine.request_cancelled"  # client went away; kv_blocks_freed
+ENGINE_REQUEST_REJECTED = "engine.request_rejected"  # can never fit: prompt_tokens, max_tokens, limit
+
+# -- engine: KV transfer, prefill side (kv_producer) -------------------------------------------
+KV_PRODUCER_SENDING = "kv_producer.sending"  # transfer_id, decode_kv_addr, num_tokens, bytes
+KV_PRODUCER_SENT = "kv_producer.sent"  # transfer_id, decode_kv_addr, num_tokens, bytes, transfer_ms, gbps
+KV_PRODUCER_CONNECT_FAILED = "kv_producer.connect_failed"  # transfer_id, decode_kv_addr, error
+KV_PRODUCER_REJECTED = "kv_producer.rejected"  # transfer_id, reason (buffer_full|fingerprint_mismatch|checksum|…), detail
+KV_PRODUCER_FAILED = "kv_producer.failed"  # transfer_id, error (any other send failure)
+
+# -- engine: KV transfer, decode side (kv_consumer) --------------------------------------------
+KV_CONSUMER_LISTENING = "kv_consumer.listening"  # kv_port, kv_buffer_size
+KV_CONSUMER_RECEIVED = "kv_consumer.received"  # transfer_id, num_tokens, bytes, peer
+KV_CONSUMER_CLAIMED = "kv_consumer.claimed"  # transfer_id, wait_ms
+KV_CONSUMER_TIMEOUT = "kv_consumer.timeout"  # transfer_id, waited_ms, kv_transfer_timeout_ms
+KV_CONSUMER_BUFFER_FULL = "kv_consumer.buffer_full"  # transfer_id, bytes, kv_buffer_size, buffer_used
+KV_CONSUMER_FINGERPRINT_MISMATCH = "kv_consumer.fingerprint_mismatch"  # transfer_id, local, remote
+KV_CONSUMER_CHECKSUM_MISMATCH = "kv_consumer.checksum_mismatch"  # transfer_id, expected, actual
+KV_CONSUMER_LEASE_EXPIRED = "kv_consumer.lease_expired"  # transfer_id, bytes, lease_ms (pushed, never claimed)
+KV_CONSUMER_RECOMPUTE = "kv_consumer.recompute"  # transfer_id, reason: policy recompute ran prefill locally
+KV_CONSUMER_FAILED = "kv_consumer.failed"  # transfer_id, reason: policy fail answered an error
+
+# -- router ------------------------------------------------------------------------------------
+AUTH_ACCEPTED = "auth.accepted"  # key_name (never the key or its hash)
+AUTH_REJECTED = "auth.rejected"  # reason: missing|malformed|whitespace|unknown|no_keys_configured, header
+AUTH_KEY_MISSING = "auth.key_missing"  # at start: api_key_env is unset or empty in the environment
+LIMIT_RATE = "limit.rate_limited"  # key_name, limit (rpm|tpm|concurrency), current, maximum
+LIMIT_QUOTA = "limit.quota_exhausted"  # key_name, used, quota
+ROUTER_REQUEST_RECEIVED = "router.request_received"  # api (chat|completions|messages|responses), model, stream
+ROUTER_SCHEDULED = "router.scheduled"  # prefill, decode, policy, mode (disaggregated|colocated), attempt
+ROUTER_QUEUED = "router.queued"  # all backend slots busy; queue_depth
+ROUTER_QUEUE_FULL = "router.queue_full"  # rejected with 429/503; queue_depth, retry_after_s
+ROUTER_PREFILL_DONE = "router.prefill_done"  # prefill, prefill_ms, transfer_id
+ROUTER_PREFILL_FAILED = "router.prefill_failed"  # prefill, status, error, attempt (retried or not)
+ROUTER_KV_HANDOFF = "router.kv_handoff"  # decode, transfer_id, kv_transfer_params keys
+ROUTER_DECODE_FIRST_TOKEN = "router.decode_first_token"  # decode, ttft_ms
+ROUTER_DECODE_FAILED = "router.decode_failed"  # decode, status, error, mid_stream (bool)
+ROUTER_UPSTREAM_ERROR = "router.upstream_error"  # backend, status, body (the raw error body from an engine)
+ROUTER_CLIENT_DISCONNECTED = "router.client_disconnected"  # upstream requests cancelled
+ROUTER_REQUEST_DONE = "router.request_done"  # status, prompt_tokens, completion_tokens, e2e_ms
+BACKEND_HEALTH = "backend.health"  # backend, role, state (up|down), was
+BACKEND_CIRCUIT = "backend.circuit"  # backend, state (open|half_open|closed), failures
+
+ALL: frozenset[str] = frozenset(
+    value for name, value in dict(globals()).items() if name.isupper() and isinstance(value, str)
+)

@@ -1,0 +1,75 @@
+"""Server-sent events: the one place that writes and reads SSE frames (engine, router, bench).
+
+Writing: `stream = await open_stream(request)`, then `await send_event(stream, data)` for each
+frame, and `await send_done(stream)` for OpenAI Chat/Completions streams (Anthropic and Responses
+streams end with their own terminal event and no `[DONE]`).
+
+Reading: `async for event, data in read_events(response.content)` yields `(event name or None,
+data string)` per frame; the caller decides whether `data` is JSON or `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import StreamReader, web
+
+DONE = "[DONE]"
+
+
+async def open_stream(request: web.Request, headers: dict[str, str] | None = None) -> web.StreamResponse:
+    """Start a 200 `text/event-stream` response; nothing is buffered by proxies in between."""
+    response = web.StreamResponse(
+        status=200,
+        headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+            **(headers or {}),
+        },
+    )
+    await response.prepare(request)
+    return response
+
+
+def frame(data: dict[str, Any] | str, event: str | None = None) -> bytes:
+    """One SSE frame: optional `event:` line, one `data:` line, blank line."""
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n".encode()
+
+
+async def send_event(stream: web.StreamResponse, data: dict[str, Any] | str, event: str | None = None) -> None:
+    await stream.write(frame(data, event))
+
+
+async def send_done(stream: web.StreamResponse) -> None:
+    """Terminate an OpenAI-style stream with `data: [DONE]` and close it."""
+    await stream.write(frame(DONE))
+    await stream.write_eof()
+
+
+async def read_events(content: StreamReader) -> AsyncIterator[tuple[str | None, str]]:
+    """Parse SSE frames from an aiohttp response body as they arrive.
+
+    Comment lines (`:` heartbeats) are skipped; multi-line `data:` fields are joined with `\\n`
+    as the SSE spec says. A final frame without its blank line is still yielded.
+    """
+    event: str | None = None
+    data_lines: list[str] = []
+    async for raw in content:
+        line = raw.decode("utf-8").rstrip("\r\n")
+        if not line:
+            if data_lines:
+                yield event, "\n".join(data_lines)
+            event, data_lines = None, []
+        elif line.startswith(":"):
+            continue
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data_lines.append(line[5:].removeprefix(" "))
+    if data_lines:
+        yield event, "\n".join(data_lines)
