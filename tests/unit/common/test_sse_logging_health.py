@@ -1,0 +1,66 @@
+"""The shared SSE framing, JSON log lines with redaction, and gRPC health."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from aiohttp import web
+from loguru import logger
+
+from stack.common import events
+from stack.common.health import NOT_SERVING, SERVING, UNREACHABLE, probe, probe_async, start_health_server
+from stack.common.logging import log_event, register_secret, setup_logging
+from stack.common.sse import DONE, open_stream, read_events, send_done, send_event
+
+
+async def test_sse_round_trip(aiohttp_client) -> None:
+    """Frames written by the one SSE helper parse back to the same events, ending with [DONE]."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        stream = await open_stream(request)
+        await send_event(stream, {"choices": [{"delta": {"content": "ä\nb"}}]})
+        await send_event(stream, {"type": "message_stop"}, event="message_stop")
+        await send_done(stream)
+        return stream
+
+    app = web.Application()
+    app.router.add_get("/s", handler)
+    client = await aiohttp_client(app)
+    response = await client.get("/s")
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    frames = [frame async for frame in read_events(response.content)]
+    assert frames == [
+        (None, '{"choices":[{"delta":{"content":"ä\\nb"}}]}'),
+        ("message_stop", '{"type":"message_stop"}'),
+        (None, DONE),
+    ]
+
+
+def test_log_lines_are_flat_json_with_request_id_and_no_secrets() -> None:
+    """A log_event line is one flat JSON object carrying service, event, request_id; keys are redacted."""
+    sink = io.StringIO()
+    setup_logging("router", sink=sink)
+    register_secret("pd-test-secret-value")
+    with logger.contextualize(request_id="req-1"):
+        log_event(events.AUTH_REJECTED, "got pd-test-secret-value from Bearer abc.def", reason="unknown", header="Bearer sk-abcdef123456")
+    line = json.loads(sink.getvalue().strip())
+    assert line["service"] == "router"
+    assert line["event"] == "auth.rejected"
+    assert line["request_id"] == "req-1"
+    assert line["reason"] == "unknown"
+    assert "pd-test-secret-value" not in sink.getvalue() and "abc.def" not in sink.getvalue()
+    assert "sk-abcdef123456" not in sink.getvalue()
+    assert line["msg"] == "got [REDACTED] from Bearer [REDACTED]"
+
+
+async def test_health_not_serving_until_set() -> None:
+    """A fresh health server says NOT_SERVING; after set_serving it says SERVING; a dead port is UNREACHABLE."""
+    health = await start_health_server(0, "127.0.0.1")
+    try:
+        assert await probe_async(f"127.0.0.1:{health.port}") == NOT_SERVING
+        await health.set_serving()
+        assert await probe_async(f"127.0.0.1:{health.port}") == SERVING
+    finally:
+        await health.stop()
+    assert probe("127.0.0.1:1", timeout=0.5) == UNREACHABLE
