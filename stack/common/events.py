@@ -24,6 +24,7 @@ ENGINE_FIRST_TOKEN = "engine.first_token"  # ttft_ms
 ENGINE_REQUEST_FINISHED = "engine.request_finished"  # prompt_tokens, completion_tokens, finish_reason, e2e_ms
 ENGINE_REQUEST_CANCELLED = "engine.request_cancelled"  # client went away; kv_blocks_freed
 ENGINE_REQUEST_REJECTED = "engine.request_rejected"  # can never fit: prompt_tokens, max_tokens, limit
+ENGINE_STEP_FAILED = "engine.step_failed"  # sequences: a forward/sampling step raised (a bug); they end with an error
 
 # -- engine: KV transfer, prefill side (kv_producer) -------------------------------------------
 KV_PRODUCER_SENDING = "kv_producer.sending"  # transfer_id, decode_kv_addr, num_tokens, bytes
@@ -43,10 +44,13 @@ KV_CONSUMER_CHECKSUM_MISMATCH = "kv_consumer.checksum_mismatch"  # transfer_id, 
 KV_CONSUMER_LEASE_EXPIRED = "kv_consumer.lease_expired"  # transfer_id, bytes, lease_ms (pushed, never claimed)
 KV_CONSUMER_RECOMPUTE = "kv_consumer.recompute"  # transfer_id, reason: policy recompute ran prefill locally
 KV_CONSUMER_FAILED = "kv_consumer.failed"  # transfer_id, reason: policy fail answered an error
+KV_CONSUMER_PROTOCOL_ERROR = "kv_consumer.protocol_error"  # peer, code (bad_header|duplicate_transfer|claim_expired), error
+KV_CONSUMER_INCOMPLETE = "kv_consumer.incomplete"  # transfer_id, received, bytes, peer: connection closed mid-payload
+KV_CONSUMER_PROMPT_MISMATCH = "kv_consumer.prompt_mismatch"  # transfer_id, local_tokens, remote_tokens (router sent another prompt)
 
 # -- router ------------------------------------------------------------------------------------
 AUTH_ACCEPTED = "auth.accepted"  # key_name (never the key or its hash)
-AUTH_REJECTED = "auth.rejected"  # reason: missing|malformed|whitespace|unknown|no_keys_configured, header
+AUTH_REJECTED = "auth.rejected"  # reason: missing|malformed|whitespace|quoted|unknown|no_keys_configured, header
 AUTH_KEY_MISSING = "auth.key_missing"  # at start: api_key_env is unset or empty in the environment
 LIMIT_RATE = "limit.rate_limited"  # key_name, limit (rpm|tpm|concurrency), current, maximum
 LIMIT_QUOTA = "limit.quota_exhausted"  # key_name, used, quota
@@ -64,6 +68,9 @@ ROUTER_CLIENT_DISCONNECTED = "router.client_disconnected"  # upstream requests c
 ROUTER_REQUEST_DONE = "router.request_done"  # status, prompt_tokens, completion_tokens, e2e_ms
 BACKEND_HEALTH = "backend.health"  # backend, role, state (up|down), was
 BACKEND_CIRCUIT = "backend.circuit"  # backend, state (open|half_open|closed), failures
+# doctor (choices diagnosis): a stream ended with the usage chunk whose `choices` is []; client_asked
+# (bool: the client itself sent stream_options.include_usage). Logged by the router once per stream.
+ROUTER_USAGE_CHUNK = "router.usage_chunk"  # client_asked, prompt_tokens, completion_tokens
 
 ALL: frozenset[str] = frozenset(
     value for name, value in dict(globals()).items() if name.isupper() and isinstance(value, str)

@@ -1,0 +1,5 @@
+"""`python -m doctor …` — see doctor.cli."""
+
+from doctor.cli import run
+
+run()

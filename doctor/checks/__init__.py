@@ -1,0 +1,1 @@
+"""One module per diagnosis; each exposes a pure `check(ctx) -> list[Finding]` (see doctor.findings)."""

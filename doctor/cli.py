@@ -1,0 +1,140 @@
+"""`python -m doctor diagnose | check | verify` — argparse front end; exit 0 / 1 / 2.
+
+diagnose: read logs (compose project via the Docker API, or --logs files/folders/stdin), join them
+          by request id, run every diagnosis, print findings.
+check:    live probes of the running stack (docker, compose, containers, key, router, proxies,
+          engine health, KV port, one streamed request).
+verify:   send one streamed request through the router and prove from the logs that it went
+          prefill → KV → decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence, TextIO
+
+from doctor import environment, render, sources
+from doctor.errors import DoctorError
+from doctor.findings import Context, Finding, registry, run_checks
+
+EPILOG = "exit codes: 0 no failure (warnings too, unless --strict), 1 findings, 2 the doctor could not run"
+
+
+def _common(sub: bool) -> argparse.ArgumentParser:
+    """Global options, accepted before or after the command (after it, they must not reset the defaults)."""
+    common = argparse.ArgumentParser(add_help=False)
+    default = {"default": argparse.SUPPRESS} if sub else {}
+    common.add_argument("--json", action="store_true", help="print the report as JSON (schema in docs/doctor.md)",
+                        **default)
+    common.add_argument("-v", "--verbose", action="store_true", help="show cause, evidence lines and fix", **default)
+    common.add_argument("--no-color", action="store_true", help="plain ASCII marks, no colour (also NO_COLOR=1)",
+                        **default)
+    common.add_argument("--strict", action="store_true", help="exit 1 on warnings too", **default)
+    common.add_argument("--project", help="compose project name (default: auto-detect from container labels)",
+                        **default)
+    common.add_argument("--home", help="home folder holding .claude/ and .codex/ (default: $HOME)", **default)
+    common.add_argument("--router-url", help="the router as clients should reach it (default: the router "
+                        "container's published port, $PD_ROUTER_URL or http://localhost:8080)", **default)
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common(sub=True)
+    parser = argparse.ArgumentParser(prog="python -m doctor", parents=[_common(sub=False)], epilog=EPILOG,
+                                     description="Diagnose the PD stack from its logs and the client configuration.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    diagnose = sub.add_parser("diagnose", parents=[common], epilog=EPILOG,
+                              help="read router/prefill/decode logs and diagnose failures")
+    diagnose.add_argument("--logs", action="append", default=[], metavar="PATH",
+                          help="log file or folder (docker compose logs output or JSON lines); '-' for stdin; "
+                               "repeatable. Default: the running compose project's containers")
+    diagnose.add_argument("--client-log", action="append", default=[], metavar="FILE",
+                          help="a client's output (SDK traceback, Claude Code / Codex error); repeatable")
+    diagnose.add_argument("--since", help="only lines since a duration ago (10m, 2h) or an ISO-8601 time")
+    diagnose.add_argument("--request-id", help="only this request (and the start-up lines around it)")
+    diagnose.add_argument("--check", action="append", default=[], metavar="ID",
+                          help="run only these diagnoses (see --list-checks)")
+    diagnose.add_argument("--list-checks", action="store_true", help="list the diagnoses and exit")
+
+    check = sub.add_parser("check", parents=[common], epilog=EPILOG, help="live probes of the running stack")
+    check.add_argument("--timeout", type=float, default=60.0, help="seconds for the end-to-end request")
+    verify = sub.add_parser("verify", parents=[common], epilog=EPILOG,
+                            help="send one streamed request and prove it went prefill → KV → decode")
+    verify.add_argument("--timeout", type=float, default=60.0, help="seconds for the request")
+    verify.add_argument("--model", default=None, help="model name to request (default: the router's first model)")
+    return parser
+
+
+def diagnose(args: argparse.Namespace, stdin: TextIO | None = None) -> tuple[list[Finding], dict]:
+    known = {check.id for check in registry()} | {"stalled"}
+    unknown = sorted(set(args.check) - known)
+    if unknown:
+        raise DoctorError(f"--check {', '.join(unknown)}: unknown (known: {', '.join(sorted(known))})")
+    since = sources.parse_since(args.since) if args.since else None
+    if args.logs:
+        loaded = sources.load_files(args.logs, args.client_log, stdin)
+        records = sources.since_filter(loaded.records, since) if since else loaded.records
+    else:  # the daemon filters by its own clock, which skewed containers do not share
+        loaded = sources.load_docker(args.project, since)
+        sources.add_client_logs(loaded, args.client_log)
+        records = loaded.records
+    if not records:
+        raise DoctorError(f"no log lines found in {', '.join(loaded.sources) or 'the given sources'} "
+                          f"({loaded.stats.unreadable} unreadable)")
+    published = (loaded.docker or {}).get("router_url")
+    env = environment.snapshot(args.home, router_url=args.router_url or published)
+    ctx = Context.build(records, env, loaded.stats, loaded.docker)
+    if args.request_id:
+        narrowed = ctx.narrow(args.request_id)
+        if narrowed is None:
+            raise DoctorError(f"--request-id {args.request_id}: not in the logs ({len(ctx.timelines)} requests seen)")
+        ctx = narrowed
+    findings = run_checks(ctx, args.check)
+    summary = {
+        "sources": loaded.sources,
+        "lines": loaded.stats.lines,
+        "records": loaded.stats.records,
+        "unreadable": loaded.stats.unreadable,
+        "ignored": loaded.stats.ignored,
+        "requests": len(ctx.timelines),
+        "complete": sum(t.complete for t in ctx.timelines.values()),
+    }
+    return findings, summary
+
+
+def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout: TextIO | None = None) -> int:
+    out = stdout or sys.stdout
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on bad usage, 0 on --help
+        return int(exc.code or 0)
+    if getattr(args, "list_checks", False):
+        for check in registry():
+            out.write(f"{check.id:<12} {check.summary}\n")
+        return 0
+    try:
+        if args.command == "diagnose":
+            findings, summary = diagnose(args, stdin)
+        else:
+            from doctor import live
+
+            findings, summary = (live.check if args.command == "check" else live.verify)(args)
+    except DoctorError as exc:
+        render.render_failure(str(exc), args.json, out)
+        return 2
+    if args.json:
+        out.write(render.render_json(findings, summary, args.command))
+    else:
+        style = render.Style.detect(out, args.verbose, args.no_color)
+        out.write(render.render_text(findings, style, summary, args.command))
+    return render.exit_code(findings, args.strict)
+
+
+def run() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":  # pragma: no cover
+    run()

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Wheels for the image's runtime dependencies (pyproject [project].dependencies), downloaded on the host:
+# containers here cannot reach the package index over HTTPS, so the image installs from this folder.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+
+wheels="$CACHE/wheels"
+mkdir -p "$wheels"
+reqs="$(mktemp)"
+trap 'rm -f "$reqs"' EXIT
+"$VENV/bin/python" - "$REPO/pyproject.toml" >"$reqs" <<'PY'
+import sys, tomllib
+with open(sys.argv[1], "rb") as f:
+    print("\n".join(tomllib.load(f)["project"]["dependencies"]))
+PY
+if [[ -f "$wheels/requirements.txt" ]] && cmp -s "$reqs" "$wheels/requirements.txt"; then
+    exit 0
+fi
+say "downloading the runtime wheelhouse into .cache/wheels"
+rm -f "$wheels"/*.whl
+# cp311 wheels: both python:3.11-slim and Debian bookworm's python3 are 3.11.
+"$VENV/bin/pip" download --quiet --only-binary=:all: --python-version 3.11 \
+    --dest "$wheels" -r "$reqs"
+cp "$reqs" "$wheels/requirements.txt"

@@ -1,0 +1,288 @@
+"""`python -m stack.bench compare`: colocated vs disaggregated on the same cores, same model, same load.
+
+For each stack in turn it starts the compose project (pinning engine containers to the CPU
+budget), waits until the router answers, warms up, runs the identical seeded workload through the
+router (once, or per `--sweep` rate), stops the project, and finally writes to `--out`:
+`compare.md` (table + conditions), `compare.png` (latency CDFs and P99), per-run result JSONs, and
+with `--sweep` also `sweep.md`/`sweep.png` (goodput vs rate, DistServe-style).
+
+`--url NAME=URL` benchmarks an already running stack instead of starting one (for a stack on
+another machine, or the engines started by hand on loopback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import platform
+import secrets
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from stack.bench import report, serve
+
+REPO = Path(__file__).resolve().parents[2]
+STACKS = ("colocated", "disaggregated")
+COMPOSE_FILES = {"colocated": "compose.colocated.yaml", "disaggregated": "compose.yaml"}
+ENGINE_SERVICES = {"colocated": ("engine",), "disaggregated": ("prefill", "decode")}
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """One arm of the experiment: how to start it (or where it already runs)."""
+
+    name: str
+    compose_file: Path | None  # None: `url` is already running
+    env: dict[str, str] = field(default_factory=dict)  # cpusets, model, key for compose
+    url: str | None = None
+    engine_env: dict[str, str] = field(default_factory=dict)  # extra environment of the engine containers
+
+
+class StackError(RuntimeError):
+    """A stack that would not start or answer; the message carries the compose output."""
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    serve.add_workload_args(parser)
+    parser.set_defaults(percentile_metrics="ttft,tpot,itl,e2el", metric_percentiles="90,99")
+    parser.add_argument("--checkpoint", default="dummy:small", help="engine model for both stacks (PD_CHECKPOINT)")
+    parser.add_argument("--stacks", default=",".join(STACKS), help="which arms, in run order (the first is the baseline)")
+    parser.add_argument("--url", action="append", default=[], metavar="NAME=URL", help="use a running stack for NAME")
+    parser.add_argument("--sweep", default=None, metavar="RATE,RATE,…", help="goodput vs request rate for both stacks")
+    parser.add_argument("--warmup", type=int, default=4, help="requests sent (and ignored) before measuring")
+    parser.add_argument("--out", default="results", help="directory for the table, charts and JSON")
+    parser.add_argument("--project-prefix", default="pdbench", help="docker compose project name prefix")
+    parser.add_argument("--colocated-cpus", default="0,1", help="cpuset of the colocated engine")
+    parser.add_argument("--prefill-cpus", default="0", help="cpuset of the prefill engine")
+    parser.add_argument("--decode-cpus", default="1", help="cpuset of the decode engine")
+    parser.add_argument("--router-cpus", default="", help="cpuset of the router (default: unpinned)")
+    parser.add_argument(
+        "--engine-env", action="append", default=[], metavar="KEY=VALUE",
+        help="extra environment for every engine container in both stacks, e.g. OPENBLAS_NUM_THREADS=1",
+    )
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a stack to come up")
+    parser.add_argument("--keep-up", action="store_true", help="leave the last stack running (debugging)")
+
+
+def stack_specs(args: argparse.Namespace) -> list[StackSpec]:
+    urls = dict(item.split("=", 1) for item in args.url)
+    common = {"TAOTOKEN_API_KEY": args.api_key, "PD_CHECKPOINT": args.checkpoint, "ROUTER_CPUS": args.router_cpus}
+    cpus = {
+        "colocated": {"ENGINE_CPUS": args.colocated_cpus},
+        "disaggregated": {"PREFILL_CPUS": args.prefill_cpus, "DECODE_CPUS": args.decode_cpus},
+    }
+    engine_env = dict(item.split("=", 1) for item in args.engine_env)
+    specs = []
+    for name in args.stacks.split(","):
+        compose = None if name in urls else REPO / COMPOSE_FILES[name]
+        specs.append(StackSpec(name, compose, {**common, **cpus.get(name, {})}, urls.get(name), engine_env))
+    return specs
+
+
+def engine_override(spec: StackSpec) -> dict[str, Any]:
+    """A compose override adding `spec.engine_env` to each engine service (compose merges
+    `environment` maps key by key, so the base file's variables stay)."""
+    return {"services": {service: {"environment": spec.engine_env} for service in ENGINE_SERVICES[spec.name]}}
+
+
+def _compose(spec: StackSpec, project: str, *command: str, timeout: float = 600) -> str:
+    """Run `docker compose -p project -f file …`; raise StackError with its output on failure."""
+    files = ["-f", str(spec.compose_file)]
+    if spec.engine_env:
+        # JSON is YAML: compose reads the override from a file beside the base one's project.
+        override = Path(tempfile.gettempdir()) / f"{project}.override.json"
+        override.write_text(json.dumps(engine_override(spec)))
+        files += ["-f", str(override)]
+    argv = ["docker", "compose", "-p", project, *files, *command]
+    env = {**os.environ, **{k: v for k, v in spec.env.items() if v}}
+    done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise StackError(f"{shlex.join(argv)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_stack(spec: StackSpec, project: str, timeout: float) -> str:
+    """`up --wait` (health-gated) with the router on a free host port; returns the router's URL."""
+    port = free_port()
+    print(f"[compare] starting {spec.name}: docker compose -p {project} -f {spec.compose_file.name} up", flush=True)
+    spec.env["ROUTER_PORT"] = str(port)
+    # --no-build: the image comes from `./pd build` (it needs the offline wheelhouse/base image).
+    _compose(spec, project, "up", "-d", "--no-build", "--wait", "--wait-timeout", str(int(timeout)),
+             timeout=timeout + 60)
+    return f"http://127.0.0.1:{port}"
+
+
+def stop_stack(spec: StackSpec, project: str) -> None:
+    print(f"[compare] stopping {spec.name}", flush=True)
+    _compose(spec, project, "down", "-v", "--remove-orphans", timeout=180)
+
+
+async def wait_ready(base_url: str, api_key: str | None, timeout: float) -> None:
+    """Poll GET /v1/models through the router until it answers 200 (compose health is not enough
+    when the router is healthy before its backends are)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout
+    last = ""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while time.monotonic() < deadline:
+            try:
+                async with session.get(f"{base_url}/v1/models", headers=headers) as response:
+                    if response.status == 200:
+                        return
+                    last = f"HTTP {response.status}: {(await response.text())[:200]}"
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                last = repr(exc)
+            await asyncio.sleep(1.0)
+    raise StackError(f"{base_url} not ready after {timeout:.0f}s: {last}")
+
+
+def run_args(args: argparse.Namespace, base_url: str, rate: float, **overrides: Any) -> argparse.Namespace:
+    """The `serve` arguments for one measured run (same seed → same prompts and arrival times)."""
+    one = copy.copy(args)
+    one.base_url, one.request_rate, one.label = base_url, rate, overrides.pop("label", None)
+    for key, value in overrides.items():
+        setattr(one, key, value)
+    return one
+
+
+async def measure_stack(args: argparse.Namespace, spec: StackSpec, base_url: str, rates: list[float]) -> list[dict]:
+    await wait_ready(base_url, args.api_key, args.startup_timeout)
+    if args.warmup:
+        print(f"[compare] {spec.name}: warm-up with {args.warmup} requests", flush=True)
+        warm = run_args(args, base_url, float("inf"), num_prompts=args.warmup, max_concurrency=1,
+                        seed=args.seed + 1, disable_tqdm=True)
+        await serve.benchmark(warm)
+    results = []
+    for rate in rates:
+        print(f"[compare] {spec.name}: {args.num_prompts} requests at {rate} req/s", flush=True)
+        load_before = os.getloadavg()[0]
+        result = await serve.benchmark(run_args(args, base_url, rate, label=spec.name))
+        result["stack"] = spec.name
+        result["loadavg_1m_before"] = load_before
+        result["loadavg_1m_after"] = os.getloadavg()[0]
+        result["cpus"] = {k: v for k, v in spec.env.items() if k.endswith("_CPUS")}
+        if result["request_goodput"] is not None:
+            result["slo_attainment"] = result["request_goodput"] * result["duration"] / args.num_prompts
+        for line in serve.failure_lines(result):
+            print(line)
+        print(serve.format_result(result, args.percentile_metrics.split(","), args.percentiles), flush=True)
+        results.append(result)
+    return results
+
+
+def run_stack(args: argparse.Namespace, spec: StackSpec, rates: list[float], last: bool) -> list[dict]:
+    if spec.url:
+        return asyncio.run(measure_stack(args, spec, spec.url.rstrip("/"), rates))
+    project = f"{args.project_prefix}-{spec.name}"
+    try:
+        base_url = start_stack(spec, project, args.startup_timeout)
+        return asyncio.run(measure_stack(args, spec, base_url, rates))
+    finally:
+        if not (args.keep_up and last):
+            stop_stack(spec, project)
+
+
+def hardware() -> str:
+    """CPU model and count from lscpu (the README wants the hardware next to the numbers)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except OSError:
+        return platform.processor() or "unknown CPU"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    model = fields.get("Model name", "?").strip()
+    return f"{model}, {fields.get('CPU(s)', '?').strip()} vCPU ({fields.get('Hypervisor vendor', 'bare metal').strip()})"
+
+
+def conditions(args: argparse.Namespace, specs: list[StackSpec], command: str) -> str:
+    slos = ", ".join(f"{k} ≤ {v:g} ms" for k, v in (args.goodput_ms or {}).items()) or "none"
+    cpus = "; ".join(
+        f"{s.name}: " + ", ".join(f"{k}={v}" for k, v in s.env.items() if k.endswith("_CPUS") and v) for s in specs
+    )
+    engine_env = " ".join(f"{k}={v}" for k, v in specs[0].engine_env.items()) or "none (as the compose files ship)"
+    return "\n".join([
+        f"- Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- Command: `{command}`",
+        f"- Hardware: {hardware()}; Python {platform.python_version()}",
+        f"- CPU pinning: {cpus}",
+        f"- Model: {args.checkpoint}; endpoint {args.endpoint}; dataset {args.dataset_name}; {args.num_prompts} prompts;"
+        f" seed {args.seed}; burstiness {args.burstiness}; max concurrency {args.max_concurrency}",
+        f"- Goodput SLOs: {slos}",
+        f"- Extra engine environment: {engine_env}",
+    ])
+
+
+def write_report(args: argparse.Namespace, specs: list[StackSpec], runs: dict[str, list[dict]], command: str) -> Path:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, results in runs.items():
+        for result in results:
+            (out / f"{name}-{result['request_rate']}qps.json").write_text(json.dumps(result))
+    head = [f"# Colocated vs disaggregated ({args.checkpoint})", "", conditions(args, specs, command), ""]
+    loads = "; ".join(
+        f"{n} {r['request_rate']} req/s: {r['loadavg_1m_before']:.2f}→{r['loadavg_1m_after']:.2f}"
+        for n, rs in runs.items() for r in rs
+    )
+    head += [f"- Host 1-min load average before→after each run (other work shares these cores): {loads}", ""]
+    final = {name: results[-1] for name, results in runs.items()}
+    rate = next(iter(final.values()))["request_rate"]
+    body = [f"## At {rate} req/s", "", report.comparison_table(final), "", "![latency](compare.png)", ""]
+    report.comparison_chart(final, out / "compare.png", title=f"{args.checkpoint}, {rate} req/s, {args.num_prompts} requests")
+    if args.sweep:
+        body += ["## Sweep", "", report.sweep_table(runs), "", "![sweep](sweep.png)", ""]
+        report.sweep_chart(runs, out / "sweep.png", title=f"{args.checkpoint}, {args.num_prompts} requests per point")
+        (out / "sweep.md").write_text("\n".join(head + body[-5:]))
+    path = out / "compare.md"
+    path.write_text("\n".join(head + body))
+    return path
+
+
+def main(args: argparse.Namespace) -> int:
+    problems = serve.check_args(args)
+    if args.sweep:
+        try:
+            rates = [float(r) for r in args.sweep.split(",")]
+        except ValueError:
+            problems.append(f"--sweep: {args.sweep!r} is not comma-separated rates")
+    else:
+        rates = [args.request_rate]
+    unknown = [n for n in args.stacks.split(",") if n not in STACKS]
+    if unknown:
+        problems.append(f"--stacks: unknown {unknown}; choose from {list(STACKS)}")
+    if problems:
+        for problem in problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
+    # The stacks need a unified key; make a throwaway one when the environment has none.
+    args.api_key = args.api_key or "bench-" + secrets.token_urlsafe(16)
+    specs = stack_specs(args)
+    command = getattr(args, "command_line", "python -m stack.bench compare …")
+    runs: dict[str, list[dict]] = {}
+    try:
+        for i, spec in enumerate(specs):
+            runs[spec.name] = run_stack(args, spec, rates, last=i == len(specs) - 1)
+    except (StackError, subprocess.TimeoutExpired) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    path = write_report(args, specs, runs, command)
+    print(path.read_text())
+    print(f"[compare] wrote {path} and {path.with_suffix('.png')}")
+    return 0

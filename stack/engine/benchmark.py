@@ -1,0 +1,223 @@
+"""Engine micro-benchmarks with ratios to baselines measured in the same run (not a test).
+
+    python -m stack.engine.benchmark [--model dummy:small] [--prompt 800] [--repeat 3]
+    OPENBLAS_NUM_THREADS=1 python -m stack.engine.benchmark --clock cpu   # one core, CPU time
+
+Sections run in order and share a `Bench` record: baselines first (numpy GEMM peak, memory copy
+bandwidth, loopback socket bandwidth), then prefill and decode. Another part adds its own figures
+by appending a function to `SECTIONS` (e.g. KV transfer GB/s vs `bench.baselines["socket_gbps"]`).
+Thread count: whatever numpy/OpenBLAS uses in this process (set OPENBLAS_NUM_THREADS to pin it);
+every figure and its baseline use the same one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from stack.engine.kv_cache import KVCache
+from stack.engine.model import Model, Segment, forward, load_model
+
+
+@dataclass
+class Bench:
+    """What the sections share: the model, arguments, and the baselines measured so far."""
+
+    model: Model
+    prompt_tokens: int
+    repeat: int
+    baselines: dict[str, float] = field(default_factory=dict)
+    clock: Callable[[], float] = time.perf_counter  # time.process_time with --clock cpu
+
+    def report(self, label: str, value: str, ratio: str = "") -> None:
+        print(f"  {label:<44} {value:>22}  {ratio}")
+
+
+def best_time(fn: Callable[[], object], repeat: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Fastest of `repeat` runs in seconds (the machine is shared: the minimum is the least noisy)."""
+    times = []
+    for _ in range(repeat):
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return min(times)
+
+
+def measure_gemm(bench: Bench) -> float:
+    """GFLOP/s of a float32 2048^3 numpy matmul, best of `repeat`."""
+    a = np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32)  # (2048, 2048)
+    a @ a  # warm-up
+    return 2 * 2048**3 / best_time(lambda: a @ a, bench.repeat, bench.clock) / 1e9
+
+
+def gemm_peak(bench: Bench) -> None:
+    """numpy float32 GEMM at 2048^3: the compute roof for prefill."""
+    gflops = measure_gemm(bench)
+    bench.baselines["gemm_gflops"] = gflops
+    bench.report("numpy GEMM 2048^3 float32", f"{gflops:8.1f} GFLOP/s")
+
+
+def copy_bandwidth(bench: Bench) -> None:
+    """np.copyto of 256 MB, counting read + write traffic: the memory roof for decode."""
+    src = np.ones(64 * 2**20, np.float32)  # (64M,) 256 MB, far beyond L3
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    seconds = best_time(lambda: np.copyto(dst, src), bench.repeat, bench.clock)
+    gbps = 2 * src.nbytes / seconds / 1e9
+    bench.baselines["copy_gbps"] = gbps
+    bench.report("memory copy bandwidth (read + write)", f"{gbps:8.1f} GB/s")
+
+
+def loopback_socket_bandwidth(nbytes: int = 256 * 2**20, chunk: int = 4 * 2**20) -> float:
+    """GB/s of one TCP connection over 127.0.0.1 pushing `nbytes` (the raw baseline for KV transfer)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def drain() -> None:
+        conn, _ = server.accept()
+        with conn:
+            buf = bytearray(chunk)
+            while conn.recv_into(buf):
+                pass
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    payload = memoryview(bytes(chunk))
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        t0 = time.perf_counter()
+        for _ in range(nbytes // chunk):
+            client.sendall(payload)
+        client.shutdown(socket.SHUT_WR)
+        reader.join()
+        seconds = time.perf_counter() - t0
+    server.close()
+    return nbytes / seconds / 1e9
+
+
+def socket_bandwidth(bench: Bench) -> None:
+    gbps = max(loopback_socket_bandwidth() for _ in range(bench.repeat))
+    bench.baselines["socket_gbps"] = gbps
+    bench.report("loopback TCP socket bandwidth", f"{gbps:8.2f} GB/s")
+
+
+def prefill_flops(model: Model, T: int) -> float:
+    """Useful FLOPs of a T-token prefill: 2 * matmul weights * T, causal attention, last-token lm_head."""
+    cfg, w = model.config, model.weights
+    layer_params = sum(a.size for layer in w.layers for a in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down))
+    attention = cfg.n_layers * 2 * 2 * cfg.n_heads * cfg.head_dim * T * (T + 1) / 2
+    return 2 * layer_params * T + attention + 2 * w.lm_head.size
+
+
+def prefill(bench: Bench) -> None:
+    model, T = bench.model, bench.prompt_tokens
+    tokens = np.random.default_rng(1).integers(0, model.config.vocab_size, T)  # (T,)
+    cache = KVCache(model.config, T)
+
+    def run() -> None:
+        cache.length = 0
+        forward(model, [Segment(tokens, cache, 0)])
+
+    run()  # warm-up
+    seconds = best_time(run, bench.repeat, bench.clock)
+    gflops = prefill_flops(model, T) / seconds / 1e9
+    peak = bench.baselines["gemm_gflops"]
+    bench.report(f"prefill {T} tokens ({seconds * 1e3:.0f} ms)", f"{T / seconds:8.0f} tok/s")
+    bench.report("prefill achieved compute", f"{gflops:8.1f} GFLOP/s", f"{gflops / peak:.2f} x GEMM peak (target >= 0.6)")
+    # Load on a shared machine drifts within seconds: pair each prefill with a GEMM run right before it.
+    a = np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32)  # (2048, 2048)
+    ratios = []
+    for _ in range(bench.repeat):
+        gemm = 2 * 2048**3 / best_time(lambda: a @ a, 1, bench.clock)
+        ratios.append(prefill_flops(model, T) / best_time(run, 1, bench.clock) / gemm)
+    bench.report("prefill / GEMM, paired runs (median)", f"{float(np.median(ratios)):8.2f}",
+                 f"range {min(ratios):.2f}-{max(ratios):.2f} over {bench.repeat} pairs")
+
+
+def decode(bench: Bench) -> None:
+    """Decode steps at batch 1, 8, 32, at a ~prompt_tokens context and at a short one.
+
+    Two memory roofs: weights only (the target: batch 1 >= 0.5 of it) and weights + the KV cache
+    every sequence reads per step, which dominates at long contexts and large batches.
+    """
+    model, bw = bench.model, bench.baselines["copy_gbps"] * 1e9
+    weight_bytes = model.weights.decode_bytes
+    bound = bw / weight_bytes  # steps/s if only weight reads counted
+    bench.report("decode weight bytes per step", f"{weight_bytes / 1e6:8.1f} MB", f"weights-only bound {bound:.0f} steps/s")
+    for context in (bench.prompt_tokens, 32):
+        for batch in (1, 8, 32):
+            seconds = decode_step_seconds(bench, batch, context)
+            kv_bound = batch * bw / (weight_bytes + batch * context * model.config.kv_bytes_per_token)
+            ratio = f"{batch / seconds / kv_bound:.2f} x weights+KV bound"
+            if batch == 1 and context == bench.prompt_tokens:
+                ratio = f"{1 / seconds / bound:.2f} x weights-only bound (target >= 0.5); " + ratio
+            bench.report(f"decode batch {batch:>2}, context {context:>4} ({seconds * 1e3:5.1f} ms/step)",
+                         f"{batch / seconds:8.0f} tok/s", ratio)
+
+
+def decode_step_seconds(bench: Bench, batch: int, context: int, steps: int = 8) -> float:
+    """Best wall time of one decode step over `batch` sequences that each hold `context` tokens."""
+    model = bench.model
+    source = KVCache(model.config, context)
+    forward(model, [Segment(np.random.default_rng(2).integers(0, model.config.vocab_size, context), source, 0)])
+    caches = []
+    for _ in range(batch):  # clone the prefilled context instead of prefilling `batch` times
+        cache = KVCache(model.config, context + steps * (bench.repeat + 1))
+        cache.k[:, :context], cache.v[:, :context], cache.length = source.k, source.v, context
+        caches.append(cache)
+    tokens = np.zeros(1, np.int64)  # (1,)
+
+    def step() -> None:
+        forward(model, [Segment(tokens, c, c.length) for c in caches])
+
+    step()  # warm-up
+    return best_time(lambda: [step() for _ in range(steps - 1)], bench.repeat, bench.clock) / (steps - 1)
+
+
+def kv_transfer(bench: Bench) -> None:
+    """KV push over the real KV socket vs a raw loopback send of the same size (stack/engine/kv_bench.py)."""
+    from stack.engine.kv_bench import kv_transfer_section  # imports this module: import on use
+
+    kv_transfer_section(bench)
+
+
+def stability(bench: Bench) -> None:
+    """GEMM again at the end: on a shared machine a large drift means the ratios above are unreliable."""
+    drift = measure_gemm(bench) / bench.baselines["gemm_gflops"]
+    bench.report("GEMM at end / GEMM at start", f"{drift:8.2f}", "(far from 1.0: the machine's load changed)")
+
+
+# Append a section (a function taking the `Bench`) to add figures; baselines run first.
+SECTIONS: list[Callable[[Bench], None]] = [gemm_peak, copy_bandwidth, socket_bandwidth, prefill, decode, kv_transfer,
+                                           stability]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="dummy:small", help="dummy:tiny | dummy:small | HF checkpoint dir")
+    parser.add_argument("--prompt", type=int, default=800, help="prompt / context length in tokens")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the best is reported")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu = process CPU time: robust on a busy shared machine; needs OPENBLAS_NUM_THREADS=1")
+    args = parser.parse_args(argv)
+    if args.clock == "cpu" and os.environ.get("OPENBLAS_NUM_THREADS") != "1":
+        parser.error("--clock cpu counts every thread's CPU time: run with OPENBLAS_NUM_THREADS=1")
+    env = {k: os.environ.get(k, "-") for k in ("OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(f"engine benchmark: model {args.model}, numpy {np.__version__}, cpus {os.cpu_count()}, "
+          f"load average {load}, env {env}")
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    bench = Bench(load_model(args.model), args.prompt, args.repeat, clock=clock)
+    for section in SECTIONS:
+        print(f"[{section.__name__}]")
+        section(bench)
+
+
+if __name__ == "__main__":
+    main()

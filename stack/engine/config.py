@@ -1,0 +1,141 @@
+"""The engine's `config.json`: the article's schema plus our CPU-engine fields, parsed once at start.
+
+The article's keys (model, role, tensor_parallel_size, pipeline_parallel_size, max_num_batched_tokens,
+kv_transfer_config {kv_connector, kv_role, kv_port, kv_buffer_size}, gpu_memory_utilization) are all
+accepted; the ones that mean nothing on a CPU engine are listed by `ignored_fields` and logged once
+at start (`config.ignored`). Unknown keys and wrong types raise `ConfigError` (file: key: problem).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from stack.common.config import build, check, read_file
+
+Role = Literal["prefill", "decode", "both"]
+KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+
+# Our own connector: TCP push from prefill to the decode's kv_port (see kv_transfer.py).
+OWN_CONNECTOR = "PdTcpConnector"
+# kv_role each engine role implies when the config does not say.
+DEFAULT_KV_ROLE: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """`kv_transfer_config`: vLLM's names where they exist, so one file reads the same on GPU."""
+
+    kv_connector: str = OWN_CONNECTOR  # vLLM names (P2pNcclConnector, NixlConnector…) are accepted and ignored
+    kv_role: KVRole | None = None  # default from role: prefill→kv_producer, decode→kv_consumer, both→kv_both
+    kv_ip: str = "0.0.0.0"  # address the KV listener binds (consumers only)
+    kv_port: int = 9100  # KV listener port (consumers only); 0 picks a free one
+    kv_buffer_size: float = 8e9  # bytes a consumer may hold: received-but-unclaimed plus in-flight KV ("8e9" ok)
+    kv_transfer_timeout_ms: int = 5000  # how long a decode request waits for its KV (prefill: bound of each socket step of a push)
+    kv_load_failure_policy: Literal["fail", "recompute"] = "fail"  # KV never came: error (vLLM default) or prefill locally
+    kv_lease_ms: int = 30000  # pushed KV nobody claims is freed after this (NIXL's kv_lease_duration is 30 s)
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)  # vLLM's; accepted and ignored
+
+    def __post_init__(self) -> None:
+        check(0 <= self.kv_port <= 65535, "kv_port", f"must be a TCP port (0-65535), got {self.kv_port}")
+        check(self.kv_buffer_size > 0, "kv_buffer_size", f"must be positive bytes, got {self.kv_buffer_size:g}")
+        check(self.kv_transfer_timeout_ms > 0, "kv_transfer_timeout_ms", f"must be positive, got {self.kv_transfer_timeout_ms}")
+        check(self.kv_lease_ms > 0, "kv_lease_ms", f"must be positive, got {self.kv_lease_ms}")
+
+    @property
+    def buffer_bytes(self) -> int:
+        return int(self.kv_buffer_size)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine process: which model, which role, how it batches and how its KV moves."""
+
+    model: str = "your-model-id"  # the model id clients send and /v1/models lists (the article's placeholder)
+    role: Role = "both"  # prefill | decode | both (colocated)
+    tensor_parallel_size: int = 1  # accepted for the article's schema; the CPU engine is one process
+    pipeline_parallel_size: int = 1  # as above
+    max_num_batched_tokens: int = 2048  # tokens per step: prefill tokens plus one per running decode
+    kv_transfer_config: KVTransferConfig = field(default_factory=KVTransferConfig)
+    gpu_memory_utilization: float = 0.9  # accepted; the KV pool size is kv_cache_bytes
+    checkpoint: str = "dummy:small"  # dummy:tiny | dummy:small (seeded random weights) or an HF checkpoint directory
+    seed: int = 0  # seed of the dummy weights (prefill and decode must agree; the fingerprint checks it)
+    max_model_len: int | None = None  # prompt + completion limit; default the model's max_seq_len
+    kv_cache_bytes: float = 1e9  # KV block pool budget in bytes ("1e9" ok)
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 64  # sequences admitted at once (running + prefilling)
+    chunked_prefill: bool = False  # split long prompts to fit the step budget beside running decodes
+
+    def __post_init__(self) -> None:
+        check(bool(self.model.strip()), "model", "must not be empty")
+        check(self.max_num_batched_tokens > 0, "max_num_batched_tokens", f"must be positive, got {self.max_num_batched_tokens}")
+        check(self.max_model_len is None or self.max_model_len > 0, "max_model_len", f"must be positive, got {self.max_model_len}")
+        check(self.kv_cache_bytes > 0, "kv_cache_bytes", f"must be positive bytes, got {self.kv_cache_bytes:g}")
+        check(self.block_size > 0, "block_size", f"must be positive, got {self.block_size}")
+        check(self.max_num_seqs > 0, "max_num_seqs", f"must be positive, got {self.max_num_seqs}")
+        check(bool(self.checkpoint.strip()), "checkpoint", "must not be empty")
+        kv_role = self.kv_transfer_config.kv_role
+        allowed = {"prefill": ("kv_producer", "kv_both"), "decode": ("kv_consumer", "kv_both"), "both": ("kv_both", "kv_producer", "kv_consumer")}
+        check(
+            kv_role is None or kv_role in allowed[self.role],
+            "kv_transfer_config.kv_role",
+            f"{kv_role!r} does not fit role {self.role!r} (use one of {', '.join(allowed[self.role])})",
+        )
+
+    @property
+    def kv_role(self) -> str:
+        return self.kv_transfer_config.kv_role or DEFAULT_KV_ROLE[self.role]
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        """Listens on kv_port for pushed KV (decode, or a colocated engine configured as kv_both)."""
+        if self.role == "both":
+            return self.kv_transfer_config.kv_role in ("kv_consumer", "kv_both")
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def pool_bytes(self) -> int:
+        return int(self.kv_cache_bytes)
+
+
+def ignored_fields(config: EngineConfig, raw: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    """(key, value, why) for each key in the file that the CPU engine accepts but does not use."""
+    ignored: list[tuple[str, Any, str]] = []
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "gpu_memory_utilization"):
+        if key in raw:
+            ignored.append((key, raw[key], "the CPU engine runs in one process without a GPU"))
+    kv_raw = raw.get("kv_transfer_config", {})
+    kv = config.kv_transfer_config
+    if "kv_connector" in kv_raw and kv.kv_connector != OWN_CONNECTOR:
+        ignored.append(("kv_transfer_config.kv_connector", kv.kv_connector, f"the CPU engine always uses {OWN_CONNECTOR} (TCP push)"))
+    if kv.kv_connector_extra_config:
+        ignored.append(("kv_transfer_config.kv_connector_extra_config", kv.kv_connector_extra_config, "vLLM connector options"))
+    if "kv_buffer_size" in kv_raw and not config.is_kv_consumer:
+        ignored.append(("kv_transfer_config.kv_buffer_size", kv_raw["kv_buffer_size"], f"only a KV consumer buffers; this is a {config.kv_role}"))
+    return ignored
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> tuple[EngineConfig, dict[str, Any]]:
+    """Read and validate `path`, apply CLI/env `overrides` (dotted keys), return (config, raw file dict).
+
+    Overrides go through the same validation, so a bad `--kv-port` fails like a bad file value.
+    """
+    raw = read_file(path)
+    merged = dict(raw)
+    if isinstance(raw.get("kv_transfer_config"), dict):
+        merged["kv_transfer_config"] = dict(raw["kv_transfer_config"])  # overrides must not edit `raw`
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        target = merged
+        *parents, leaf = dotted.split(".")
+        for parent in parents:
+            target = target.setdefault(parent, {})
+        target[leaf] = value
+    return build(EngineConfig, merged, path), raw
+

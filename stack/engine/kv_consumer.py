@@ -1,0 +1,350 @@
+"""The decode side of the KV socket: listener, receive buffer, claims and leases (wire: kv_wire.py).
+
+A `BufferedProtocol` has the kernel write each payload directly into the arrays the decode request
+will claim, and verifies every segment's checksum as soon as it is in. Admission happens on the
+header, before any payload moves: the fingerprint must match and the transfer must fit the receive
+buffer (`kv_buffer_size` bounds in-flight + held + claimed-but-not-yet-loaded bytes). Received KV
+waits for its decode request (`claim`, bounded by kv_transfer_timeout_ms); KV nobody claims is
+freed when its lease (kv_lease_ms) runs out, so the buffer always returns to 0. Receive arrays are
+recycled within the same budget: first-touch page faults on fresh memory cost more than the copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from stack.common import events
+from stack.common.logging import log_event
+from stack.engine import kv_wire
+from stack.engine.errors import KVTransferError
+from stack.engine.kv_wire import KVHeader, Reply, WireError
+
+
+RECYCLE_ROUND_TOKENS = 128  # receive arrays come in multiples of this many tokens, so they fit again
+
+
+@dataclass(eq=False)
+class ReceiveArrays:
+    """K and V arrays one transfer is received into: (n_layers, capacity, n_kv_heads, head_dim) each."""
+
+    k: np.ndarray
+    v: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def fits(self, header: KVHeader) -> bool:
+        return self.k.shape[0] == header.n_layers and self.k.shape[2:] == header.layer_shape[1:] and self.k.shape[1] >= header.num_tokens
+
+
+@dataclass(eq=False)
+class ReceivedKV:
+    """A complete, verified transfer held in the receive buffer until its decode request loads it."""
+
+    header: KVHeader
+    arrays: ReceiveArrays
+    peer: str
+    consumer: KVConsumer
+    released: bool = False
+
+    @property
+    def k(self) -> np.ndarray:
+        return self.arrays.k[:, : self.header.num_tokens]  # (n_layers, num_tokens, n_kv_heads, head_dim)
+
+    @property
+    def v(self) -> np.ndarray:
+        return self.arrays.v[:, : self.header.num_tokens]  # (n_layers, num_tokens, n_kv_heads, head_dim)
+
+    def release(self) -> None:
+        """Return its bytes to the receive buffer (after loading into the KV pool, or on abort)."""
+        if not self.released:
+            self.released = True
+            self.consumer.free(self.header, self.arrays)
+
+
+class KVConsumer:
+    """The decode side's KV listener and receive buffer."""
+
+    def __init__(self, *, fingerprint: str, buffer_size: int, lease_ms: int) -> None:
+        self.fingerprint = fingerprint
+        self.buffer_size = buffer_size
+        self.lease_ms = lease_ms
+        self.buffer_used = 0  # bytes reserved: in flight + held + claimed-not-yet-released
+        self.port = 0
+        self._idle: list[ReceiveArrays] = []  # recycled receive arrays; their bytes + buffer_used <= buffer_size
+        self._held: dict[str, ReceivedKV] = {}  # arrived, not yet claimed
+        self._leases: dict[str, asyncio.TimerHandle] = {}
+        self._inflight: set[str] = set()
+        self._waiters: dict[str, asyncio.Future[ReceivedKV]] = {}
+        self._expired: dict[str, float] = {}  # transfer ids whose claim timed out (monotonic time)
+        self._server: asyncio.Server | None = None
+
+    @property
+    def held_transfers(self) -> int:
+        return len(self._held)
+
+    async def start(self, host: str, port: int) -> int:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), host, port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log_event(events.KV_CONSUMER_LISTENING, f"KV consumer listening on {host}:{self.port} (buffer {self.buffer_size} bytes)",
+                  kv_port=self.port, kv_buffer_size=self.buffer_size, kv_lease_ms=self.lease_ms)
+        return self.port
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for handle in self._leases.values():
+            handle.cancel()
+        for received in self._held.values():
+            received.release()
+        self._held.clear()
+        self._leases.clear()
+
+    async def claim(self, transfer_id: str, timeout_ms: int) -> ReceivedKV:
+        """The KV pushed under `transfer_id`, waiting up to `timeout_ms` for it to arrive."""
+        started = time.monotonic()
+        received = self._held.pop(transfer_id, None)
+        if received is None:
+            future: asyncio.Future[ReceivedKV] = asyncio.get_running_loop().create_future()
+            self._waiters[transfer_id] = future
+            try:
+                received = await asyncio.wait_for(future, timeout_ms / 1000)
+            except TimeoutError:
+                waited_ms = round((time.monotonic() - started) * 1000, 1)
+                self._remember_expired(transfer_id)
+                inflight = transfer_id in self._inflight
+                log_event(
+                    events.KV_CONSUMER_TIMEOUT,
+                    f"KV for transfer {transfer_id} did not arrive within kv_transfer_timeout_ms={timeout_ms} "
+                    f"(waited {waited_ms} ms{'; it is still arriving' if inflight else '; nothing was pushed'})",
+                    "ERROR", transfer_id=transfer_id, waited_ms=waited_ms, kv_transfer_timeout_ms=timeout_ms, in_flight=inflight,
+                )
+                raise KVTransferError(
+                    "timeout",
+                    f"the KV cache for transfer {transfer_id} did not arrive within kv_transfer_timeout_ms={timeout_ms} "
+                    f"(waited {waited_ms} ms); check that prefill can reach this decode's kv_port {self.port}",
+                    waited_ms=waited_ms, kv_transfer_timeout_ms=timeout_ms,
+                ) from None
+            except asyncio.CancelledError:  # the decode request went away: refuse this KV if it still comes
+                self._remember_expired(transfer_id)
+                raise
+            finally:
+                self._waiters.pop(transfer_id, None)
+        else:
+            self._leases.pop(transfer_id).cancel()
+        wait_ms = round((time.monotonic() - started) * 1000, 1)
+        log_event(events.KV_CONSUMER_CLAIMED, f"claimed KV of transfer {transfer_id} ({received.header.num_tokens} tokens) after {wait_ms} ms",
+                  transfer_id=transfer_id, wait_ms=wait_ms, num_tokens=received.header.num_tokens, bytes=received.header.total_bytes)
+        return received
+
+    # -- called by _Connection -----------------------------------------------------------------
+
+    def admit(self, header: KVHeader, peer: str) -> Reply:
+        """Accept or reject a transfer from its header, before any payload is read."""
+        tid, rid = header.transfer_id, header.request_id
+        if header.fingerprint != self.fingerprint:
+            msg = (f"model fingerprint mismatch: this decode runs {self.fingerprint}, the prefill sent {header.fingerprint}; "
+                   "prefill and decode must load the same checkpoint and seed")
+            log_event(events.KV_CONSUMER_FINGERPRINT_MISMATCH, msg, "ERROR", request_id=rid, transfer_id=tid,
+                      local=self.fingerprint, remote=header.fingerprint, peer=peer)
+            return Reply(False, "fingerprint_mismatch", msg, {"local": self.fingerprint, "remote": header.fingerprint})
+        if self.buffer_used + header.total_bytes > self.buffer_size:
+            msg = (f"KV transfer of {header.total_bytes} bytes ({header.num_tokens} tokens) does not fit the receive buffer: "
+                   f"kv_buffer_size={self.buffer_size} bytes, {self.buffer_used} in use")
+            log_event(events.KV_CONSUMER_BUFFER_FULL, msg, "ERROR", request_id=rid, transfer_id=tid, bytes=header.total_bytes,
+                      kv_buffer_size=self.buffer_size, buffer_used=self.buffer_used, peer=peer)
+            return Reply(False, "buffer_full", msg, {"bytes": header.total_bytes, "kv_buffer_size": self.buffer_size, "buffer_used": self.buffer_used})
+        if tid in self._held or tid in self._inflight:
+            return self._protocol_error(rid, tid, peer, "duplicate_transfer", f"transfer id {tid} is already held or arriving")
+        if tid in self._expired:
+            return self._protocol_error(rid, tid, peer, "claim_expired",
+                                        f"the decode request for transfer {tid} already gave up waiting (kv_transfer_timeout_ms)")
+        self.buffer_used += header.total_bytes
+        self._inflight.add(tid)
+        return Reply(True, "accepted", "send the payload")
+
+    def receive_arrays(self, header: KVHeader) -> ReceiveArrays:
+        """Arrays for an admitted transfer: a recycled pair that fits, else new ones (idle pairs make room)."""
+        fitting = [a for a in self._idle if a.fits(header)]
+        if fitting:
+            arrays = min(fitting, key=lambda a: a.nbytes)
+            self._idle.remove(arrays)
+            return arrays
+        capacity = -(-header.num_tokens // RECYCLE_ROUND_TOKENS) * RECYCLE_ROUND_TOKENS
+        slack = (capacity - header.num_tokens) * header.total_bytes // header.num_tokens
+        if slack > self.buffer_size - self.buffer_used:  # no room to round up: exact size (the reservation is already in)
+            capacity = header.num_tokens
+        shape = (header.n_layers, capacity, header.n_kv_heads, header.head_dim)
+        arrays = ReceiveArrays(np.empty(shape, np.float32), np.empty(shape, np.float32))
+        self._trim_idle(self.buffer_size - self.buffer_used - (arrays.nbytes - header.total_bytes))  # used has this transfer
+        return arrays
+
+    def free(self, header: KVHeader, arrays: ReceiveArrays) -> None:
+        """A transfer's bytes leave the buffer; its arrays wait for the next transfer if the budget allows."""
+        self.buffer_used -= header.total_bytes
+        self._idle.append(arrays)
+        self._trim_idle(self.buffer_size - self.buffer_used)
+
+    def _trim_idle(self, keep_bytes: int) -> None:
+        while self._idle and sum(a.nbytes for a in self._idle) > max(keep_bytes, 0):
+            self._idle.remove(max(self._idle, key=lambda a: a.nbytes))
+
+    def complete(self, header: KVHeader, arrays: ReceiveArrays, peer: str, receive_s: float, actual: list[str]) -> Reply:
+        """The payload is in, `actual` holds its segment checksums: hold it for its claimer, or drop it."""
+        tid, rid = header.transfer_id, header.request_id
+        self._inflight.discard(tid)
+        bad = [i for i, (a, e) in enumerate(zip(actual, header.checksums, strict=True)) if a != e]
+        if bad:
+            self.free(header, arrays)
+            i = bad[0]
+            msg = (f"KV payload checksum mismatch in {len(bad)} of {len(actual)} segments (first: layer {i // 2} "
+                   f"{'KV'[i % 2]}: expected {header.checksums[i]}, got {actual[i]}); the KV was dropped")
+            log_event(events.KV_CONSUMER_CHECKSUM_MISMATCH, msg, "ERROR", request_id=rid, transfer_id=tid,
+                      expected=header.checksums[i], actual=actual[i], bad_segments=len(bad), peer=peer)
+            return Reply(False, "checksum_mismatch", msg, {"expected": header.checksums[i], "actual": actual[i]})
+        received = ReceivedKV(header, arrays, peer, self)
+        gbps = round(header.total_bytes / max(receive_s, 1e-9) / 1e9, 3)
+        log_event(events.KV_CONSUMER_RECEIVED, f"received {header.num_tokens} tokens of KV ({header.total_bytes} bytes) from {peer}",
+                  request_id=rid, transfer_id=tid, num_tokens=header.num_tokens, bytes=header.total_bytes, peer=peer,
+                  receive_ms=round(receive_s * 1000, 3), gbps=gbps)
+        waiter = self._waiters.get(tid)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(received)
+        else:
+            self._held[tid] = received
+            self._leases[tid] = asyncio.get_running_loop().call_later(self.lease_ms / 1000, self._expire, tid)
+        return Reply(True, "stored", "KV stored", {"bytes": header.total_bytes})
+
+    def abort_inflight(self, header: KVHeader, arrays: ReceiveArrays, received_bytes: int, peer: str) -> None:
+        """The connection closed mid-payload: drop the reservation."""
+        self._inflight.discard(header.transfer_id)
+        self.free(header, arrays)
+        log_event(events.KV_CONSUMER_INCOMPLETE, f"KV connection from {peer} closed after {received_bytes} of {header.total_bytes} payload bytes",
+                  "ERROR", request_id=header.request_id, transfer_id=header.transfer_id, received=received_bytes,
+                  bytes=header.total_bytes, peer=peer)
+
+    def protocol_error(self, peer: str, error: str) -> Reply:
+        return self._protocol_error("-", None, peer, "bad_header", error)
+
+    def _protocol_error(self, rid: str, tid: str | None, peer: str, code: str, error: str) -> Reply:
+        log_event(events.KV_CONSUMER_PROTOCOL_ERROR, f"rejected KV transfer from {peer}: {error}", "ERROR",
+                  request_id=rid, transfer_id=tid, code=code, error=error, peer=peer)
+        return Reply(False, code, error)
+
+    def _expire(self, tid: str) -> None:
+        self._leases.pop(tid, None)
+        received = self._held.pop(tid, None)
+        if received is None:
+            return
+        received.release()
+        log_event(events.KV_CONSUMER_LEASE_EXPIRED,
+                  f"freed {received.header.total_bytes} bytes of KV for transfer {tid}: no decode request claimed it within kv_lease_ms={self.lease_ms}",
+                  "WARNING", request_id=received.header.request_id, transfer_id=tid, bytes=received.header.total_bytes,
+                  lease_ms=self.lease_ms, buffer_used=self.buffer_used)
+
+    def _remember_expired(self, tid: str) -> None:
+        """Refuse this transfer if it still arrives; ids are forgotten after one lease (bounded memory)."""
+        now = time.monotonic()
+        self._expired = {t: at for t, at in self._expired.items() if at > now - self.lease_ms / 1000}
+        self._expired[tid] = now
+
+
+class _Connection(asyncio.BufferedProtocol):
+    """One incoming transfer: preamble → header → (reply) → payload straight into numpy → ack."""
+
+    def __init__(self, consumer: KVConsumer) -> None:
+        self.consumer = consumer
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.header: KVHeader | None = None
+        self.arrays: ReceiveArrays | None = None
+        self.targets: list[memoryview] = []  # what the current stage fills, in order
+        self.segments: list[np.ndarray] = []  # the payload's segments (views into k and v)
+        self.checksums: list[str] = []  # of each payload segment received so far
+        self.stage = "preamble"
+        self._expect(bytearray(kv_wire.PREAMBLE.size))
+        self.payload_received = 0
+        self.payload_started = 0.0
+        self.done = False
+        self.deadline: asyncio.TimerHandle | None = None  # a stalled producer must not hold its reservation forever
+
+    def _expect(self, *targets: bytearray | np.ndarray) -> None:
+        self.raw = targets[0]  # the preamble/header bytearray (payload stages fill numpy arrays)
+        self.targets = [memoryview(t).cast("B") for t in targets]
+        self.filled = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.targets[0][self.filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.filled += nbytes
+        if self.stage == "payload":
+            self.payload_received += nbytes
+        if self.filled < len(self.targets[0]):
+            return
+        self.targets.pop(0)
+        self.filled = 0
+        if self.stage == "payload":  # verify while the producer sends the next segment
+            self.checksums.append(kv_wire.checksum(self.segments[len(self.checksums)]))
+        if not self.targets:
+            self._stage_complete()
+
+    def _stage_complete(self) -> None:
+        try:
+            if self.stage == "preamble":
+                self.stage = "header"
+                self._expect(bytearray(kv_wire.parse_preamble(bytes(self.raw))))
+            elif self.stage == "header":
+                self._on_header(KVHeader.decode(bytes(self.raw)))
+            else:
+                self._on_payload()
+        except WireError as exc:
+            self._finish(self.consumer.protocol_error(self.peer, str(exc)))
+
+    def _on_header(self, header: KVHeader) -> None:
+        reply = self.consumer.admit(header, self.peer)
+        if not reply.ok:
+            self._finish(reply)
+            return
+        self.header = header
+        self.arrays = self.consumer.receive_arrays(header)
+        self.stage = "payload"
+        self.segments = kv_wire.segments(self.arrays.k, self.arrays.v, header.num_tokens)
+        self._expect(*self.segments)
+        self.payload_started = time.perf_counter()
+        assert self.transport is not None
+        self.deadline = asyncio.get_running_loop().call_later(self.consumer.lease_ms / 1000, self.transport.abort)
+        self.transport.write(reply.encode())
+
+    def _on_payload(self) -> None:
+        assert self.header is not None and self.arrays is not None, "payload without header"
+        self.done = True
+        receive_s = time.perf_counter() - self.payload_started
+        self._finish(self.consumer.complete(self.header, self.arrays, self.peer, receive_s, self.checksums))
+
+    def _finish(self, reply: Reply) -> None:
+        self.done = True
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(reply.encode())
+            self.transport.close()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+        if self.stage == "payload" and not self.done and self.header is not None and self.arrays is not None:
+            self.consumer.abort_inflight(self.header, self.arrays, self.payload_received, self.peer)

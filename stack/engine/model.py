@@ -1,0 +1,227 @@
+"""A Llama-family decoder in numpy: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
+
+One `forward` serves both phases over a flattened ragged batch (like vLLM): the new tokens of every
+segment go through the matmuls together as one (N, dim) matrix; attention runs per segment against
+that segment's own `KVCache`. Prefill is one segment with T = len(prompt), decode is many T = 1
+segments, and a colocated step mixes both in one call. The `Model` holds no per-request state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from stack.engine.checkpoint import DUMMY_CONFIGS, dummy_weights, load_checkpoint
+from stack.engine.errors import CheckpointError, TokenRangeError
+from stack.engine.kv_cache import KVCache
+from stack.engine.tokenizer import ByteTokenizer, Tokenizer
+from stack.engine.weights import ModelConfig, Weights, fingerprint
+
+__all__ = ["Model", "ModelConfig", "Segment", "Weights", "forward", "load_model"]
+
+
+@dataclass(frozen=True)
+class Model:
+    """Everything `load_model` returns; shared read-only by all requests."""
+
+    name: str  # what /v1/models reports: "dummy:small" or the checkpoint directory name
+    config: ModelConfig
+    weights: Weights
+    tokenizer: Tokenizer
+    fingerprint: str  # hash of config + weights; a KV cache only moves between equal fingerprints
+
+
+@dataclass
+class Segment:
+    """One sequence's share of a step: T new tokens written at cache positions [start_pos, start_pos+T)."""
+
+    tokens: np.ndarray  # (T,) int
+    cache: KVCache
+    start_pos: int
+
+
+def load_model(source: str, seed: int = 0) -> Model:
+    """Load "dummy:tiny" | "dummy:small" (seeded random weights, byte tokenizer) or an HF checkpoint directory."""
+    if source.startswith("dummy:"):
+        size = source.removeprefix("dummy:")
+        if size not in DUMMY_CONFIGS:
+            raise CheckpointError(f"{source}: unknown dummy size; choose one of {sorted(DUMMY_CONFIGS)}")
+        config = DUMMY_CONFIGS[size]
+        weights, tokenizer, name = dummy_weights(config, seed), ByteTokenizer(), source
+    else:
+        config, weights, tokenizer = load_checkpoint(source)
+        name = source.rstrip("/").rsplit("/", 1)[-1]
+    return Model(name, config, weights, tokenizer, fingerprint(config, weights))
+
+
+def forward(model: Model, segments: list[Segment], all_logits: bool = False) -> np.ndarray | list[np.ndarray]:
+    """Run one step. Writes each segment's K/V into its cache and advances `cache.length`.
+
+    Returns (len(segments), vocab) logits of each segment's last token, or with `all_logits` a list
+    of (T, vocab) arrays, one per segment. Raises `TokenRangeError` for ids outside the vocabulary.
+    """
+    cfg, w = model.config, model.weights
+    H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    assert segments, "forward needs at least one segment"
+    tokens = np.concatenate([np.asarray(s.tokens, dtype=np.int64).reshape(-1) for s in segments])  # (N,)
+    if tokens.min(initial=0) < 0 or tokens.max(initial=0) >= cfg.vocab_size:
+        bad = int(tokens[(tokens < 0) | (tokens >= cfg.vocab_size)][0])
+        raise TokenRangeError(f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})")
+    lengths = [len(np.asarray(s.tokens).reshape(-1)) for s in segments]
+    offsets = np.cumsum([0, *lengths])  # (len(segments)+1,) row where each segment starts
+    for s, T in zip(segments, lengths, strict=True):
+        assert T > 0, "a segment needs at least one token"
+        assert s.start_pos <= s.cache.length, f"start_pos {s.start_pos} skips past cache length {s.cache.length}"
+        assert s.start_pos + T <= s.cache.capacity, (
+            f"{s.start_pos + T} positions exceed cache capacity {s.cache.capacity}"
+        )
+    assert len({id(s.cache) for s in segments}) == len(segments), "a cache may appear once per step"
+    positions = np.concatenate([np.arange(s.start_pos, s.start_pos + T) for s, T in zip(segments, lengths)])  # (N,)
+    rotation = rope_rotation(cfg, positions)  # (N, 1, hd/2) complex64
+    N = len(tokens)
+
+    x = w.tok_embeddings[tokens]  # (N, dim)
+    for layer_index, layer in enumerate(w.layers):
+        h = rms_norm(x, layer.attn_norm, cfg.norm_eps)  # (N, dim)
+        qkv = h @ layer.wqkv  # (N, (H + 2*KV) * hd)
+        qk = rope(qkv[:, : (H + KV) * hd].reshape(N, H + KV, hd), rotation)  # (N, H + KV, hd)
+        q, k = qk[:, :H], qk[:, H:]  # (N, H, hd), (N, KV, hd)
+        v = qkv[:, (H + KV) * hd :].reshape(N, KV, hd)  # (N, KV, hd)
+        attn = np.empty((N, H, hd), np.float32)  # (N, H, hd)
+        for s, lo, hi in zip(segments, offsets[:-1], offsets[1:]):
+            end = s.start_pos + (hi - lo)
+            s.cache.k[layer_index, s.start_pos : end] = k[lo:hi]
+            s.cache.v[layer_index, s.start_pos : end] = v[lo:hi]
+            attn[lo:hi] = attention(q[lo:hi], s.cache.k[layer_index, :end], s.cache.v[layer_index, :end], s.start_pos)
+        x += attn.reshape(N, H * hd) @ layer.wo  # (N, dim)
+        h = rms_norm(x, layer.mlp_norm, cfg.norm_eps)  # (N, dim)
+        x += swiglu(h @ layer.w_gate_up) @ layer.w_down  # (N, dim)
+    for s, T in zip(segments, lengths):
+        s.cache.length = s.start_pos + T
+
+    if all_logits:
+        logits = rms_norm(x, w.norm, cfg.norm_eps) @ w.lm_head  # (N, vocab)
+        return [logits[lo:hi] for lo, hi in zip(offsets[:-1], offsets[1:])]
+    last = x[offsets[1:] - 1]  # (len(segments), dim)
+    return rms_norm(last, w.norm, cfg.norm_eps) @ w.lm_head  # (len(segments), vocab)
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """(N, dim), (dim,) -> (N, dim)"""
+    ms = np.einsum("nd,nd->n", x, x)[:, None] / np.float32(x.shape[-1])  # (N, 1) mean square
+    return x * (weight / np.sqrt(ms + np.float32(eps)))  # (N, dim)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """(hd/2,) float64 frequencies theta^(-2j/hd), rescaled as HF's "llama3" rope_type when configured:
+    long wavelengths slowed by `factor`, short ones kept, a smooth blend in between."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / cfg.head_dim))  # (hd/2,)
+    if cfg.rope_scaling is None:
+        return inv_freq
+    factor, low_freq_factor, high_freq_factor, original_len = cfg.rope_scaling
+    wavelen = 2 * np.pi / inv_freq  # (hd/2,)
+    smooth = (original_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)  # (hd/2,)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq  # (hd/2,)
+    scaled = np.where(wavelen > original_len / low_freq_factor, inv_freq / factor, blended)  # (hd/2,)
+    return np.where(wavelen < original_len / high_freq_factor, inv_freq, scaled)  # (hd/2,)
+
+
+def rope_rotation(cfg: ModelConfig, positions: np.ndarray) -> np.ndarray:
+    """(N,) positions -> (N, 1, head_dim/2) complex64 e^(i * pos * inv_freq) (HF frequencies)."""
+    inv_freq = rope_inv_freq(cfg)  # (hd/2,)
+    angles = positions[:, None].astype(np.float64) * inv_freq[None, :]  # (N, hd/2)
+    return np.exp(1j * angles).astype(np.complex64)[:, None, :]  # (N, 1, hd/2)
+
+
+def rope(x: np.ndarray, rotation: np.ndarray) -> np.ndarray:
+    """RoPE on interleaved heads (see weights.py): pair (x[2j], x[2j+1]) is HF's (x[j], x[j+hd/2]),
+    so rotate-half is a complex multiply. (N, heads, hd), (N, 1, hd/2) -> (N, heads, hd)"""
+    pairs = x.view(np.complex64)  # (N, heads, hd/2); needs only the last axis contiguous
+    return (pairs * rotation).view(np.float32)  # (N, heads, hd)
+
+
+# Queries per attention block: bounds the score matrix (it stays in L2 per KV head) and lets causal
+# blocks skip the keys of later blocks.
+QUERY_BLOCK = 128
+# Below this many query rows per KV head (decode), one batched K @ Q^T over all heads is used:
+# per-head calls would cost more in numpy overhead, and OpenBLAS streams the strided cache several
+# times faster in that orientation when the query side is that thin.
+THIN_QUERIES = 64
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int) -> np.ndarray:
+    """Causal grouped-query attention of one segment whose first query sits at `start_pos`.
+    (T, H, hd), (S, KV, hd), (S, KV, hd) with S = start_pos + T -> (T, H, hd)
+
+    Query head h uses KV head h // (H // KV) (HF repeat_kv): the G = H // KV queries of a group are
+    stacked so each KV head needs one matmul against only the keys the queries can see.
+    """
+    T, H, hd = q.shape
+    G = H // k.shape[1]
+    q = q * np.float32(hd**-0.5)  # (T, H, hd) scaled copy
+    if T * G < THIN_QUERIES:
+        return attend_thin(q, k, v)
+    out = np.empty((T, H, hd), np.float32)  # (T, H, hd)
+    for a in range(0, T, QUERY_BLOCK):
+        b = min(T, a + QUERY_BLOCK)
+        out[a:b] = attend_block(q[a:b], k[: start_pos + b], v[: start_pos + b])
+    return out
+
+
+def attend_block(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Scaled queries at the last c of S positions, one KV head at a time.
+    (c, H, hd), (S, KV, hd), (S, KV, hd) -> (c, H, hd)"""
+    c, H, hd = q.shape
+    S, KV, _ = k.shape
+    G = H // KV
+    future = causal_mask(c)  # (c, 1, c)
+    out = np.empty((c, H, hd), np.float32)  # (c, H, hd)
+    for h in range(KV):
+        group = slice(h * G, (h + 1) * G)
+        scores = q[:, group].reshape(c * G, hd) @ k[:, h].T  # (c*G, S), row = (query, group member)
+        scores.reshape(c, G, S)[..., S - c :] += future
+        sums = exp_shifted(scores)  # (c*G, 1)
+        out[:, group] = ((scores @ v[:, h]) / sums).reshape(c, G, hd)
+    return out
+
+
+def attend_thin(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Few scaled queries (decode) at the last T of S positions, all KV heads in one batched matmul.
+    (T, H, hd), (S, KV, hd), (S, KV, hd) -> (T, H, hd)"""
+    T, H, hd = q.shape
+    S, KV, _ = k.shape
+    G = H // KV
+    qt = q.reshape(T, KV, G, hd).transpose(1, 3, 0, 2).reshape(KV, hd, T * G)  # (KV, hd, T*G)
+    scores = np.ascontiguousarray((k.transpose(1, 0, 2) @ qt).transpose(0, 2, 1))  # (KV, T*G, S)
+    if T > 1:
+        scores.reshape(KV, T, G, S)[..., S - T :] += causal_mask(T)
+    sums = exp_shifted(scores)  # (KV, T*G, 1)
+    out = (scores @ v.transpose(1, 0, 2)) / sums  # (KV, T*G, hd)
+    return out.reshape(KV, T, G, hd).transpose(1, 0, 2, 3).reshape(T, H, hd)
+
+
+def causal_mask(c: int) -> np.ndarray:
+    """(c, 1, c) additive mask over the last c keys: -inf where the key is after the query."""
+    return np.triu(np.full((c, c), -np.inf, np.float32), k=1)[:, None, :]
+
+
+def exp_shifted(scores: np.ndarray) -> np.ndarray:
+    """In place: scores -> exp(scores - row max), the unnormalised softmax. (..., S) -> row sums (..., 1)"""
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    return scores.sum(axis=-1, keepdims=True)
+
+
+def swiglu(gate_up: np.ndarray) -> np.ndarray:
+    """(N, 2*hidden) -> (N, hidden): silu(gate) * up."""
+    hidden = gate_up.shape[-1] // 2
+    gate, up = gate_up[:, :hidden], gate_up[:, hidden:]  # (N, hidden) each
+    # silu(g) = g * sigmoid(g), with sigmoid via tanh: no overflow warnings for large |g|
+    out = np.tanh(gate * np.float32(0.5))  # (N, hidden)
+    out += np.float32(1)
+    out *= np.float32(0.5)
+    out *= gate
+    out *= up
+    return out

@@ -1,0 +1,345 @@
+"""Continuous batching: one step loop per engine, the numpy forward in a worker thread.
+
+Each step, on the event loop: drop cancelled sequences (their KV goes back to the pool), take every
+running decode (one token each), then admit waiting sequences in arrival order while the step's
+token budget (`max_num_batched_tokens`, decodes counted first) and `max_num_seqs` allow and the KV
+pool has room. A sequence whose KV arrived from a prefill engine is admitted by copying that KV
+into its pool cache and emitting the prefill's first token: it joins the decodes at once.
+
+The forward pass and sampling run in one dedicated thread, so HTTP and the KV socket stay
+responsive. All state changes happen on the event loop between steps, so a cancel never frees a
+cache the forward is writing. One algorithm serves every role: a prefill engine mostly sees
+prefills, a decode engine mostly decodes, a colocated one mixes them (the interference PD removes);
+with `chunked_prefill` a long prompt is cut to what the step budget leaves beside the decodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+from loguru import logger
+
+from stack.common import events
+from stack.common.logging import log_event
+from stack.engine.kv_cache import KVCache, KVPool
+from stack.engine.kv_consumer import ReceivedKV
+from stack.engine.model import Model, Segment, forward
+from stack.engine.protocol import SamplingParams
+from stack.engine.sampling import sample
+from stack.engine.tokenizer import IncrementalDecoder
+
+
+@dataclass(frozen=True)
+class Output:
+    """New text of one sequence since the last output; `finish_reason` set on the last one."""
+
+    text: str
+    num_tokens: int  # completion tokens so far
+    finish_reason: str | None = None  # stop | length | abort | error
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int  # the effective sampling seed (the request's, the prefill's, or a random one)
+    keep_kv: bool = False  # prefill leg: keep the cache after finishing, for the KV push
+    preloaded: ReceivedKV | None = None  # decode leg: KV pushed by a prefill engine
+    cache: KVCache | None = None
+    num_computed: int = 0  # prompt tokens whose K/V are in the cache
+    output: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: int = 0  # characters of `text` already emitted
+    finish_reason: str | None = None
+    cancelled: bool = False
+    queued_logged: bool = False
+    arrival: float = field(default_factory=time.perf_counter)
+    prefill_started: float | None = None
+    outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
+    detok: IncrementalDecoder | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt)
+
+
+@dataclass
+class _Work:
+    """One sequence's part of a step: a prefill chunk or a decode token."""
+
+    seq: Sequence
+    segment: Segment
+    samples: bool  # this chunk reaches the end of the prompt (or is a decode): sample a token
+
+
+class Scheduler:
+    """Owns the KV pool and the step loop; `submit` sequences, read `seq.outputs`, `cancel` them."""
+
+    def __init__(self, model: Model, pool: KVPool, *, max_num_batched_tokens: int, max_num_seqs: int, chunked_prefill: bool) -> None:
+        self.model = model
+        self.pool = pool
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.chunked_prefill = chunked_prefill
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._task: asyncio.Task[None] | None = None
+        self.steps = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-step-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for seq in [*self.waiting, *self.running]:
+            self._finish(seq, "abort")
+        self._executor.shutdown(wait=True)
+
+    async def warmup(self) -> None:
+        """One real forward (prefill + decode) on a throwaway cache: loads BLAS, touches the weights."""
+        cache = KVCache(self.model.config, 8)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, forward, self.model, [Segment(np.arange(4), cache, 0)])
+        await loop.run_in_executor(self._executor, forward, self.model, [Segment(np.arange(1), cache, 4)])
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams, *,
+                     keep_kv: bool = False, preloaded: ReceivedKV | None = None) -> Sequence:
+        """Check the request can ever fit (raises CacheCapacityError) and queue it."""
+        self.pool.check_fits(len(prompt) + params.max_tokens)
+        if preloaded is not None:
+            seed = preloaded.header.seed
+        else:
+            seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seq = Sequence(request_id, list(prompt), params, seed, keep_kv=keep_kv, preloaded=preloaded)
+        seq.detok = IncrementalDecoder(self.model.tokenizer, context=prompt)
+        self.waiting.append(seq)
+        self._wake.set()
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """The client went away: stop the sequence and free its KV before the next step."""
+        if not seq.finished:
+            seq.cancelled = True
+            self._wake.set()
+
+    def release_kv(self, seq: Sequence) -> None:
+        """Free a finished prefill-leg cache once its KV push is over."""
+        if seq.cache is not None:
+            self.pool.free(seq.cache)
+            seq.cache = None
+
+    def load(self) -> dict[str, int]:
+        """Numbers for /health and the router: queue, running sequences, free KV blocks."""
+        return {
+            "waiting": len(self.waiting),
+            "running": len(self.running),
+            "kv_free_blocks": self.pool.free_blocks,
+            "kv_total_blocks": self.pool.total_blocks,
+        }
+
+    # -- the step loop ---------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            work = self._schedule()
+            if not work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                tokens = await loop.run_in_executor(self._executor, self._execute, work)
+            except Exception:  # a bug in the forward: fail this batch, keep serving
+                logger.bind(event=events.ENGINE_STEP_FAILED, sequences=len(work)).opt(exception=True).error(
+                    "engine step failed; its sequences end with an error")
+                for item in work:
+                    self._finish(item.seq, "error")
+                continue
+            self.steps += 1
+            self._commit(work, tokens)
+
+    def _schedule(self) -> list[_Work]:
+        for seq in [s for s in [*self.waiting, *self.running] if s.cancelled]:
+            self._cancel_now(seq)
+        work = [self._decode_work(seq) for seq in self.running if not seq.prefilling]
+        budget = self.max_num_batched_tokens - len(work)
+        # Chunked prefills already under way continue first, then new admissions in arrival order.
+        for seq in [s for s in self.running if s.prefilling]:
+            chunk = self._chunk(seq, budget, first=False)  # only chunked prefills span steps
+            if chunk:
+                work.append(self._prefill_work(seq, chunk))
+                budget -= chunk
+        prefills = sum(1 for w in work if w.seq.prefilling)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            chunk = 0
+            if seq.preloaded is None:
+                chunk = self._chunk(seq, budget, first=prefills == 0)
+                if chunk == 0:
+                    break
+            cache = self.pool.allocate(len(seq.prompt) + seq.params.max_tokens)
+            if cache is None:
+                self._log_queued(seq)
+                break
+            self.waiting.pop(0)
+            seq.cache = cache
+            self.running.append(seq)
+            if seq.preloaded is not None:
+                self._load_preloaded(seq)
+                if not seq.finished:
+                    work.append(self._decode_work(seq))
+                    budget -= 1
+                continue
+            work.append(self._prefill_work(seq, chunk))
+            budget -= chunk
+            prefills += 1
+        return work
+
+    def _chunk(self, seq: Sequence, budget: int, first: bool) -> int:
+        """Prompt tokens of `seq` this step: all the rest, a budget-sized chunk, or 0 (wait)."""
+        rest = len(seq.prompt) - seq.num_computed
+        if rest <= budget:
+            return rest
+        if self.chunked_prefill:
+            return max(budget, 0)
+        # Unchunked and too big for what is left: it runs alone with the decodes, or next step.
+        return rest if first else 0
+
+    def _decode_work(self, seq: Sequence) -> _Work:
+        assert seq.cache is not None, f"running sequence {seq.request_id} has no cache"
+        return _Work(seq, Segment(np.array([seq.output[-1]]), seq.cache, seq.cache.length), samples=True)
+
+    def _prefill_work(self, seq: Sequence, chunk: int) -> _Work:
+        assert seq.cache is not None, f"prefilling sequence {seq.request_id} has no cache"
+        if seq.prefill_started is None:
+            seq.prefill_started = time.perf_counter()
+        start = seq.num_computed
+        tokens = np.asarray(seq.prompt[start : start + chunk])  # (chunk,)
+        return _Work(seq, Segment(tokens, seq.cache, start), samples=start + chunk == len(seq.prompt))
+
+    def _execute(self, work: list[_Work]) -> list[int | None]:
+        """Worker thread: one forward over the whole batch, then sample where a token is due."""
+        logits = forward(self.model, [w.segment for w in work])  # (len(work), vocab)
+        out: list[int | None] = []
+        for w, row in zip(work, logits):
+            p = w.seq.params
+            out.append(sample(row, p.temperature, p.top_p, w.seq.seed, len(w.seq.output)) if w.samples else None)
+        return out
+
+    def _commit(self, work: list[_Work], tokens: list[int | None]) -> None:
+        for item, token in zip(work, tokens):
+            seq = item.seq
+            if seq.finished:
+                continue
+            if seq.prefilling:
+                seq.num_computed += len(item.segment.tokens)
+                if not seq.prefilling:
+                    self._log_prefill_done(seq)
+            if token is not None and not seq.cancelled:
+                self._append_token(seq, token)
+
+    # -- per-sequence transitions ----------------------------------------------------------------
+
+    def _load_preloaded(self, seq: Sequence) -> None:
+        """Copy the received KV into the pool cache and emit the prefill's first token."""
+        received, cache = seq.preloaded, seq.cache
+        assert received is not None and cache is not None, "preloaded sequence without KV"
+        n = received.header.num_tokens
+        cache.k[:, :n] = received.k  # (n_layers, n, n_kv_heads, head_dim)
+        cache.v[:, :n] = received.v
+        cache.set_length(n)
+        received.release()
+        seq.preloaded = None
+        seq.num_computed = n
+        self._append_token(seq, received.header.first_token)
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        seq.output.append(token)
+        if len(seq.output) == 1:
+            log_event(events.ENGINE_FIRST_TOKEN, "first token", request_id=seq.request_id,
+                      ttft_ms=round((time.perf_counter() - seq.arrival) * 1000, 2))
+        stops = seq.params.stop
+        assert seq.detok is not None
+        if token in self.model.tokenizer.stop_ids and not seq.params.ignore_eos:
+            seq.text += seq.detok.flush()
+            self._finish(seq, "stop")
+            return
+        seq.text += seq.detok.push(token)
+        if stops:
+            search_from = max(0, seq.sent - max(map(len, stops)))
+            hits = [i for i in (seq.text.find(s, search_from) for s in stops) if i >= 0]
+            if hits:
+                seq.text = seq.text[: min(hits)]
+                self._finish(seq, "stop")
+                return
+        if len(seq.output) >= seq.params.max_tokens:
+            seq.text += seq.detok.flush()
+            self._finish(seq, "length")
+            return
+        # Hold back a tail that could still become a stop string; it is sent once it cannot.
+        safe = len(seq.text) - (max(map(len, stops)) - 1 if stops else 0)
+        new = seq.text[seq.sent : max(safe, seq.sent)]
+        seq.sent += len(new)
+        seq.outputs.put_nowait(Output(new, len(seq.output)))
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.finished:
+            return
+        seq.finish_reason = reason
+        tail = seq.text[seq.sent :] if reason in ("stop", "length") else ""
+        seq.sent = len(seq.text)
+        self._remove(seq)
+        if seq.cache is not None and not (seq.keep_kv and reason in ("stop", "length")):
+            self.pool.free(seq.cache)  # a finished prefill leg keeps it until release_kv
+            seq.cache = None
+        if seq.preloaded is not None:
+            seq.preloaded.release()
+        seq.outputs.put_nowait(Output(tail, len(seq.output), reason))
+        if reason in ("stop", "length"):
+            log_event(events.ENGINE_REQUEST_FINISHED, f"finished ({reason}) after {len(seq.output)} tokens", request_id=seq.request_id,
+                      prompt_tokens=len(seq.prompt), completion_tokens=len(seq.output), finish_reason=reason,
+                      e2e_ms=round((time.perf_counter() - seq.arrival) * 1000, 2))
+
+    def _cancel_now(self, seq: Sequence) -> None:
+        blocks = seq.cache.blocks if seq.cache is not None else 0
+        self._finish(seq, "abort")
+        log_event(events.ENGINE_REQUEST_CANCELLED, f"client went away; freed {blocks} KV blocks", "WARNING",
+                  request_id=seq.request_id, kv_blocks_freed=blocks, completion_tokens=len(seq.output))
+
+    def _remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _log_queued(self, seq: Sequence) -> None:
+        if not seq.queued_logged:
+            seq.queued_logged = True
+            log_event(events.ENGINE_REQUEST_QUEUED, "waiting for KV blocks", request_id=seq.request_id,
+                      blocks_needed=self.pool.blocks_for(len(seq.prompt) + seq.params.max_tokens), blocks_free=self.pool.free_blocks)
+
+    def _log_prefill_done(self, seq: Sequence) -> None:
+        started = seq.prefill_started or seq.arrival
+        log_event(events.ENGINE_PREFILL_DONE, f"prefilled {len(seq.prompt)} tokens", request_id=seq.request_id,
+                  prompt_tokens=len(seq.prompt), prefill_ms=round((time.perf_counter() - started) * 1000, 2),
+                  queue_ms=round((started - seq.arrival) * 1000, 2))

@@ -1,0 +1,260 @@
+"""The engine's HTTP face: OpenAI chat/completions (streamed or not), /v1/models, /health.
+
+`create_app(config, model)` wires the scheduler, the KV hand-off and the KV listener into one
+aiohttp app (state in `web.AppKey`s, started and stopped in `cleanup_ctx`). Errors leave through
+`stack.common.errors.error_middleware` in OpenAI's shape; engine errors are mapped to API errors
+here, at one seam (`_api_error`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+from aiohttp import web
+
+from stack.common import events
+from stack.common.errors import (
+    REQUEST_ID_HEADER, APIError, InvalidRequest, Overloaded, ServerError, UpstreamError, UpstreamTimeout,
+    error_middleware, openai_error_body, request_id_middleware,
+)
+from stack.common.logging import log_event
+from stack.common.sse import open_stream, send_done, send_event
+from stack.engine import protocol
+from stack.engine.config import EngineConfig
+from stack.engine.errors import CacheCapacityError, KVTransferError
+from stack.engine.handoff import KVHandoff
+from stack.engine.kv_cache import KVPool
+from stack.engine.kv_consumer import KVConsumer
+from stack.engine.model import Model
+from stack.engine.protocol import CompletionRequest, Kind, ResponseIds
+from stack.engine.scheduler import Output, Scheduler, Sequence
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
+T = TypeVar("T")
+
+
+@dataclass
+class Engine:
+    """Everything a request handler needs, built once per app."""
+
+    config: EngineConfig
+    model: Model
+    scheduler: Scheduler
+    handoff: KVHandoff
+    max_model_len: int
+    started: int
+    ready: bool = False
+
+
+ENGINE = web.AppKey("engine", Engine)
+
+
+def create_app(config: EngineConfig, model: Model) -> web.Application:
+    max_model_len = min(config.max_model_len or model.config.max_seq_len, model.config.max_seq_len)
+    pool = KVPool(model.config, config.pool_bytes, config.block_size)
+    scheduler = Scheduler(model, pool, max_num_batched_tokens=config.max_num_batched_tokens,
+                          max_num_seqs=config.max_num_seqs, chunked_prefill=config.chunked_prefill)
+    kv = config.kv_transfer_config
+    consumer = KVConsumer(fingerprint=model.fingerprint, buffer_size=kv.buffer_bytes, lease_ms=kv.kv_lease_ms) if config.is_kv_consumer else None
+    engine = Engine(config, model, scheduler, KVHandoff(config, model, consumer), max_model_len, int(time.time()))
+
+    app = web.Application(middlewares=[request_id_middleware, error_middleware()], client_max_size=16 * 1024 * 1024)
+    app[ENGINE] = engine
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    engine = app[ENGINE]
+    engine.scheduler.start()
+    consumer = engine.handoff.consumer
+    if consumer is not None:
+        kv = engine.config.kv_transfer_config
+        await consumer.start(kv.kv_ip, kv.kv_port)
+    yield
+    if consumer is not None:
+        await consumer.close()
+    await engine.scheduler.stop()
+
+
+async def warm_up(app: web.Application) -> None:
+    """One real forward before health says SERVING (`serve(..., warmup=…)`)."""
+    engine = app[ENGINE]
+    await engine.scheduler.warmup()
+    engine.ready = True
+
+
+# -- handlers --------------------------------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    card = {"id": engine.config.model, "object": "model", "created": engine.started, "owned_by": "pd-deploy",
+            "root": engine.model.name, "max_model_len": engine.max_model_len}
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 once warm (503 before), with the load numbers a router may use."""
+    engine = request.app[ENGINE]
+    consumer = engine.handoff.consumer
+    body = {"status": "ok" if engine.ready else "starting", "role": engine.config.role, "model": engine.config.model,
+            "fingerprint": engine.model.fingerprint, **engine.scheduler.load()}
+    if consumer is not None:
+        body |= {"kv_port": consumer.port, "kv_buffer_used": consumer.buffer_used, "kv_buffer_size": consumer.buffer_size,
+                 "kv_held_transfers": consumer.held_transfers}
+    return web.json_response(body, status=200 if engine.ready else 503)
+
+
+class _ClientGone(Exception):
+    """The client closed its connection; the request is cancelled."""
+
+
+async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    request_id = request["request_id"]
+    data = protocol.parse_json(await request.read())
+    req = protocol.parse_request(kind, data, model_id=engine.config.model, tokenizer=engine.model.tokenizer,
+                                 max_model_len=engine.max_model_len)
+    kv = req.kv_transfer
+    leg = None if kv is None else ("prefill" if kv.do_remote_decode else "decode")
+    if leg == "prefill":
+        req = replace(req, sampling=replace(req.sampling, max_tokens=1))  # the prefill leg computes the first token only
+    log_event(events.ENGINE_REQUEST_RECEIVED, f"{kind} request: {len(req.prompt_tokens)} prompt tokens" + (f", PD {leg} leg" if leg else ""),
+              prompt_tokens=len(req.prompt_tokens), max_tokens=req.sampling.max_tokens, stream=req.stream,
+              role=engine.config.role, pd_leg=leg, transfer_id=kv.transfer_id if kv else None)
+    try:
+        if leg == "prefill":
+            engine.handoff.check_producer()
+        preloaded = await _unless_client_gone(request, engine.handoff.claim(req)) if leg == "decode" else None
+        try:
+            seq = engine.scheduler.new_sequence(request_id, list(req.prompt_tokens), req.sampling,
+                                                keep_kv=leg == "prefill", preloaded=preloaded)
+        except CacheCapacityError:
+            if preloaded is not None:
+                preloaded.release()
+            raise
+    except (KVTransferError, CacheCapacityError) as err:
+        raise _api_error(err, req) from None
+    except _ClientGone:
+        return web.Response(status=499)  # gave up while its KV was awaited
+    try:
+        if req.stream:
+            return await _stream(request, engine, req, seq)
+        return await _complete(request, engine, req, seq)
+    except _ClientGone:
+        return web.Response(status=499)  # nginx's "client closed request"; nobody reads it
+    finally:
+        engine.scheduler.cancel(seq)  # no-op when it finished
+        if leg == "prefill":
+            engine.scheduler.release_kv(seq)
+
+
+async def _complete(request: web.Request, engine: Engine, req: CompletionRequest, seq: Sequence) -> web.Response:
+    text, out = "", None
+    async for out in _outputs(request, seq):
+        text += out.text
+    assert out is not None and out.finish_reason is not None, "output stream ended without a finish"
+    _raise_if_failed(out)
+    ids = ResponseIds.new(req.kind, request["request_id"], engine.config.model)
+    body = protocol.completion_body(req.kind, ids, text, out.finish_reason, len(req.prompt_tokens), out.num_tokens)
+    if req.kv_transfer is not None and req.kv_transfer.do_remote_decode:
+        try:
+            body["kv_transfer_params"] = await engine.handoff.push(request["request_id"], req, seq)
+        except KVTransferError as err:
+            raise _api_error(err, req) from None
+    return web.json_response(body)
+
+
+async def _stream(request: web.Request, engine: Engine, req: CompletionRequest, seq: Sequence) -> web.StreamResponse:
+    ids = ResponseIds.new(req.kind, request["request_id"], engine.config.model)
+    outputs = _outputs(request, seq)
+    first_output = await anext(outputs)  # before the 200 goes out: an engine error can still be a status
+    _raise_if_failed(first_output)
+    stream = await open_stream(request, {REQUEST_ID_HEADER: request["request_id"]})
+    first, out = True, first_output
+    try:
+        while True:
+            if out.finish_reason in ("error", "abort"):
+                await send_event(stream, openai_error_body(ServerError(f"generation ended early ({out.finish_reason}); see the engine log")))
+                break
+            if first or out.text or out.finish_reason:
+                await send_event(stream, protocol.chunk_body(req.kind, ids, out.text, out.finish_reason, first))
+                first = False
+            if out.finish_reason:
+                if req.include_usage:
+                    await send_event(stream, protocol.usage_chunk(req.kind, ids, len(req.prompt_tokens), out.num_tokens))
+                break
+            out = await anext(outputs)
+        await send_done(stream)
+    except (ConnectionResetError, _ClientGone):
+        pass  # the client went away mid-stream; _generate's finally cancels the sequence
+    return stream
+
+
+async def _outputs(request: web.Request, seq: Sequence) -> AsyncIterator[Output]:
+    """The sequence's outputs until its finish; raises _ClientGone when the client disconnects."""
+    while True:
+        out = await _unless_client_gone(request, seq.outputs.get())
+        yield out
+        if out.finish_reason is not None:
+            return
+
+
+async def _unless_client_gone(request: web.Request, awaitable: Awaitable[T]) -> T:
+    """Await `awaitable`; if the client disconnects meanwhile, cancel it and raise _ClientGone.
+
+    Covers both ways a departure shows: aiohttp cancelling the handler, or a closing transport.
+    """
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if request.transport is None or request.transport.is_closing():
+                raise _ClientGone()
+    finally:
+        task.cancel()  # no-op once it is done
+
+
+def _raise_if_failed(out: Output) -> None:
+    if out.finish_reason == "error":
+        raise ServerError("the engine step for this request failed; see the engine log for this request id")
+    if out.finish_reason == "abort":
+        raise Overloaded("the engine is shutting down", code="engine_stopping")
+
+
+_KV_STATUS: dict[str, type[APIError]] = {
+    "timeout": UpstreamTimeout,  # decode waited kv_transfer_timeout_ms (policy fail)
+    "buffer_full": Overloaded,  # decode's receive buffer is full now; another decode or later may work
+    "prompt_mismatch": InvalidRequest,  # the decode leg's prompt is not the one prefilled
+    "not_a_consumer": InvalidRequest,  # do_remote_prefill sent to an engine that does not receive KV
+    "not_a_producer": InvalidRequest,  # do_remote_decode sent to an engine that does not send KV
+}
+
+
+def _api_error(err: KVTransferError | CacheCapacityError, req: CompletionRequest) -> APIError:
+    """The one seam where engine errors become API errors."""
+    if isinstance(err, CacheCapacityError):
+        log_event(events.ENGINE_REQUEST_REJECTED, f"can never fit: {err}", "WARNING",
+                  prompt_tokens=len(req.prompt_tokens), max_tokens=req.sampling.max_tokens, limit=str(err))
+        return InvalidRequest(f"this request can never fit the engine's KV cache: {err}", code="kv_cache_too_small", param="max_tokens")
+    cls = _KV_STATUS.get(err.reason, UpstreamError)  # the rest: the KV peer refused or broke (502)
+    return cls(err.message, code="kv_transfer_timeout" if err.reason == "timeout" else f"kv_{err.reason}")

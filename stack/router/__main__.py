@@ -1,0 +1,44 @@
+"""`python -m stack.router --config stack/router/settings.toml`: the router (HTTP 8080, gRPC health 50052).
+
+A bad config prints one line naming file, key and problem, and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from stack.common import events
+from stack.common.config import ConfigError
+from stack.common.logging import log_event, setup_logging
+from stack.common.server import serve
+from stack.router import config as router_config
+from stack.router.app import create_app
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stack.router", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="stack/router/settings.toml", help="path to settings.toml")
+    parser.add_argument("--host", help="override [server] host")
+    parser.add_argument("--port", type=int, help="override [server] port")
+    parser.add_argument("--health-port", type=int, help="override [server] health_port")
+    args = parser.parse_args(argv)
+    setup_logging("router")
+    try:
+        config = router_config.load(args.config)
+        app = create_app(config)
+    except ConfigError as exc:
+        log_event(events.CONFIG_INVALID, str(exc), "ERROR", file=exc.file, key=exc.key, problem=exc.problem)
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    server = config.server
+    log_event(events.SERVICE_STARTING, f"router starting with {args.config}", config=args.config,
+              prefill=list(config.prefill.urls), decode=list(config.decode.urls), policy=config.scheduler.policy)
+    asyncio.run(serve(app, host=args.host or server.host, port=args.port if args.port is not None else server.port,
+                      health_port=args.health_port if args.health_port is not None else server.health_port))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Anthropic Messages API for Claude Code: POST /v1/messages (+ /v1/messages/count_tokens).
+
+A Messages request becomes one chat completion: `system` (a string or text blocks) becomes the
+system message; each message's text blocks are joined, `tool_result` blocks contribute their text,
+`tool_use` and thinking blocks are dropped (this model never produces them). Image and document
+blocks, and a `tool_choice` that forces a tool, are a 400. `tools`, `metadata`, `thinking`,
+`top_k` and unknown fields are accepted and ignored, because Claude Code sends them on every call.
+
+Streams follow Anthropic's event sequence (`message_start`, `content_block_start`, `ping`,
+`content_block_delta`…, `content_block_stop`, `message_delta`, `message_stop`) with no `[DONE]`.
+The engine reports input tokens only at the end: `message_start.usage` carries the router's
+estimate (never zero: some clients treat zeroed usage as a broken stream) and `message_delta.usage`
+the engine's count, which the SDK takes as final. Errors are `{"type":"error","error":{type,message}}`; mid-stream as `event: error`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from stack.common import sse
+from stack.common.errors import APIError, InvalidRequest
+from stack.router.api.common import Params, charge, read_json, received, relay, resolve_model, sampling, upstream_body
+from stack.router.api.openai import CHAT_PATH
+from stack.router.appkeys import PD
+from stack.router.pd import estimate_prompt_tokens
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+_DROPPED_BLOCKS = {"tool_use", "thinking", "redacted_thinking", "server_tool_use"}
+
+
+def anthropic_error_body(err: APIError) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(err.status, "api_error"), "message": err.message}}
+
+
+def _block_text(block: Any, where: str) -> str:
+    if isinstance(block, str):
+        return block
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind == "text" and isinstance(block.get("text"), str):
+        return block["text"]
+    if kind == "tool_result":
+        content = block.get("content", "")
+        return content if isinstance(content, str) else "".join(_block_text(b, f"{where}.content") for b in content or [])
+    if kind in _DROPPED_BLOCKS:
+        return ""
+    raise InvalidRequest(f"Unsupported content block at '{where}' (type {kind!r}): only text and tool_result blocks are supported.",
+                         param=where, code="unsupported_content")
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"Invalid type for '{where}': expected a string or an array of content blocks.", param=where,
+                             code="invalid_type")
+    return "".join(_block_text(block, f"{where}[{i}]") for i, block in enumerate(content))
+
+
+def _messages(params: Params) -> list[dict[str, str]]:
+    result = []
+    system = params.body.get("system")
+    if system is not None:
+        result.append({"role": "system", "content": _text(system, "system")})
+    messages = params.array("messages", required=True) or []
+    if not messages:
+        raise params.bad("messages", "must contain at least one message.")
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            raise InvalidRequest(f"Invalid value for '{where}.role': expected 'user' or 'assistant'.", param=f"{where}.role",
+                                 code="invalid_value")
+        if "content" not in message:
+            raise InvalidRequest(f"Missing required parameter: '{where}.content'.", param=f"{where}.content",
+                                 code="missing_required_parameter")
+        result.append({"role": message["role"], "content": _text(message["content"], f"{where}.content")})
+    return result
+
+
+def _parse(params: Params) -> list[dict[str, str]]:
+    messages = _messages(params)
+    params.integer("top_k", minimum=0)
+    params.array("tools")
+    tool_choice = params.obj("tool_choice")
+    if tool_choice is not None and tool_choice.get("type") not in ("auto", "none"):
+        raise InvalidRequest("Unsupported parameter: 'tool_choice' may only be auto or none: this model never calls tools.",
+                             param="tool_choice", code="unsupported_parameter")
+    return messages
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """POST /v1/messages."""
+    params = Params(await read_json(request))
+    model = params.string("model", required=True) or ""
+    max_tokens = params.integer("max_tokens", minimum=1, required=True)
+    chat = _parse(params)
+    stream = params.boolean("stream")
+    upstream = upstream_body(resolve_model(request, model), stream, max_tokens, sampling(params, "stop_sequences"), messages=chat)
+    upstream.pop("seed", None)
+    received(request, "messages", model, stream)
+    message_id = f"msg_{uuid.uuid4().hex[:24]}"
+    pd = request.app[PD]
+    if stream:
+        estimate = estimate_prompt_tokens(upstream)
+        return await relay(request, pd.stream(request["request_id"], CHAT_PATH, upstream), _EventRelay(message_id, model, estimate))
+    result = await pd.complete(request["request_id"], CHAT_PATH, upstream)
+    usage = result.get("usage") or {}
+    charge(request, usage)
+    choice = (result.get("choices") or [{}])[0]
+    return web.json_response({
+        "id": message_id, "type": "message", "role": "assistant", "model": model,
+        "content": [{"type": "text", "text": (choice.get("message") or {}).get("content") or ""}],
+        "stop_reason": _STOP_REASONS.get(choice.get("finish_reason"), "end_turn"), "stop_sequence": None,
+        "usage": {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)},
+    })
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """POST /v1/messages/count_tokens: the router's estimate (~4 characters a token; it has no tokenizer)."""
+    params = Params(await read_json(request))
+    resolve_model(request, params.string("model", required=True) or "")
+    return web.json_response({"input_tokens": estimate_prompt_tokens({"messages": _parse(params)})})
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return sse.frame(data, event=data["type"])
+
+
+class _EventRelay:
+    """Chat chunks → Anthropic stream events, one text content block."""
+
+    def __init__(self, message_id: str, model: str, input_estimate: int) -> None:
+        self.message_id, self.model, self.input_estimate = message_id, model, input_estimate
+        self.started = False
+        self.stop_reason = "end_turn"
+        self.usage: dict[str, Any] = {}
+
+    def _start(self) -> list[bytes]:
+        self.started = True
+        message = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                   "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": self.input_estimate, "output_tokens": 1}}
+        return [_event({"type": "message_start", "message": message}),
+                _event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+                _event({"type": "ping"})]
+
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        frames = [] if self.started else self._start()
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                frames.append(_event({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}))
+            if choice.get("finish_reason"):
+                self.stop_reason = _STOP_REASONS.get(choice["finish_reason"], "end_turn")
+        return frames
+
+    def end(self) -> list[bytes]:
+        usage = {"input_tokens": self.usage.get("prompt_tokens", 0), "output_tokens": self.usage.get("completion_tokens", 0)}
+        return [*([] if self.started else self._start()),
+                _event({"type": "content_block_stop", "index": 0}),
+                _event({"type": "message_delta", "delta": {"stop_reason": self.stop_reason, "stop_sequence": None}, "usage": usage}),
+                _event({"type": "message_stop"})]
+
+    def error(self, err: APIError) -> list[bytes]:
+        return [sse.frame(anthropic_error_body(err), event="error")]

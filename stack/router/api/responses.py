@@ -1,0 +1,200 @@
+"""OpenAI Responses API, the subset current Codex uses: POST /v1/responses.
+
+`input` is a string or a list of message items (`role` + string content or `input_text` /
+`output_text` parts); `instructions` becomes the system message; `stream`, `max_output_tokens`,
+`temperature`, `top_p` are honoured. `reasoning` items are dropped; `tools`, `reasoning`, `store`,
+`include`, `text`, `metadata`, `prompt_cache_key`, `parallel_tool_calls` and unknown fields are
+ignored (Codex sends them; this model never calls tools). A forced `tool_choice`,
+`previous_response_id` (nothing is stored), images/files and tool-call output items are a 400.
+
+Streams emit `response.created`, `response.in_progress`, `response.output_item.added`,
+`response.content_part.added`, `response.output_text.delta`…, `response.output_text.done`,
+`response.content_part.done`, `response.output_item.done`, then `response.completed` (or
+`response.incomplete` when max_output_tokens cut it short, as OpenAI does), each with a
+`sequence_number`. A failure after the start ends the stream with `response.failed`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from stack.common import sse
+from stack.common.errors import APIError, InvalidRequest
+from stack.router.api.common import Params, charge, read_json, received, relay, resolve_model, sampling, upstream_body
+from stack.router.api.openai import CHAT_PATH
+from stack.router.appkeys import PD
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_TEXT_PARTS = {"input_text", "output_text", "text"}
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"Invalid type for '{where}': expected a string or an array of content parts.", param=where,
+                             code="invalid_type")
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"Unsupported content part at '{where}[{i}]' (type {kind!r}): only input_text and output_text are supported.",
+                                 param=f"{where}[{i}]", code="unsupported_content")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _messages(params: Params) -> list[dict[str, str]]:
+    result = []
+    instructions = params.string("instructions")
+    if instructions:
+        result.append({"role": "system", "content": instructions})
+    items = params.body.get("input")
+    if isinstance(items, str):
+        return [*result, {"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise InvalidRequest("Invalid value for 'input': expected a string or a non-empty array of message items.", param="input",
+                             code="invalid_value" if isinstance(items, list) else "invalid_type")
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "reasoning":
+            continue
+        if kind != "message" or item.get("role") not in _ROLES:
+            raise InvalidRequest(f"Unsupported input item at '{where}' (type {kind!r}): only message items with role "
+                                 "user, assistant, system or developer are supported.", param=where, code="unsupported_input")
+        result.append({"role": _ROLES[item["role"]], "content": _content(item.get("content", ""), f"{where}.content")})
+    return result
+
+
+def _parse(params: Params) -> list[dict[str, str]]:
+    if "input" not in params.body:
+        raise InvalidRequest("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
+    messages = _messages(params)
+    params.reject_unsupported("previous_response_id", None, "is not supported: this router stores no responses; send the whole conversation in 'input'")
+    tool_choice = params.body.get("tool_choice")
+    if tool_choice is not None and tool_choice not in ("auto", "none"):
+        raise InvalidRequest("Unsupported parameter: 'tool_choice' may only be \"auto\" or \"none\": this model never calls tools.",
+                             param="tool_choice", code="unsupported_parameter")
+    return messages
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    """POST /v1/responses."""
+    params = Params(await read_json(request))
+    model = params.string("model", required=True) or ""
+    chat = _parse(params)
+    stream = params.boolean("stream")
+    max_tokens = params.integer("max_output_tokens", minimum=1)
+    choices = sampling(params)
+    choices.update(stop=None, seed=None)  # not part of the Responses API
+    upstream = upstream_body(resolve_model(request, model), stream, max_tokens, choices, messages=chat)
+    received(request, "responses", model, stream)
+    shape = _Shape(model, params.string("instructions"), max_tokens, choices)
+    pd = request.app[PD]
+    if stream:
+        return await relay(request, pd.stream(request["request_id"], CHAT_PATH, upstream), _EventRelay(shape))
+    result = await pd.complete(request["request_id"], CHAT_PATH, upstream)
+    charge(request, result.get("usage"))
+    choice = (result.get("choices") or [{}])[0]
+    text = (choice.get("message") or {}).get("content") or ""
+    status = _status(choice.get("finish_reason"))
+    return web.json_response(shape.response(status, [shape.item(text, status)], result.get("usage")))
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+class _Shape:
+    """Builds the Response object and its output message the way the openai SDK types expect them."""
+
+    def __init__(self, model: str, instructions: str | None, max_tokens: int | None, choices: dict[str, Any]) -> None:
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.created_at = int(time.time())
+        self.model, self.instructions, self.max_tokens, self.choices = model, instructions, max_tokens, choices
+
+    @staticmethod
+    def part(text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def item(self, text: str | None, status: str) -> dict[str, Any]:
+        content = [] if text is None else [self.part(text)]
+        return {"id": self.item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+    def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+                 error: dict[str, Any] | None = None) -> dict[str, Any]:
+        prompt = (usage or {}).get("prompt_tokens", 0)
+        completion = (usage or {}).get("completion_tokens", 0)
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status, "model": self.model,
+            "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": self.instructions, "max_output_tokens": self.max_tokens, "output": output,
+            "parallel_tool_calls": False, "previous_response_id": None, "reasoning": None, "store": False,
+            "temperature": self.choices.get("temperature"), "top_p": self.choices.get("top_p"),
+            "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [], "truncation": "disabled",
+            "metadata": {}, "usage": None if usage is None else {
+                "input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + completion},
+        }
+
+
+class _EventRelay:
+    """Chat chunks → Responses stream events for one output message with one text part."""
+
+    def __init__(self, shape: _Shape) -> None:
+        self.shape = shape
+        self.sequence = 0
+        self.started = False
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return sse.frame(data, event=kind)
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.shape.item_id, "output_index": 0, "content_index": 0}
+
+    def _start(self) -> list[bytes]:
+        self.started = True
+        pending = self.shape.response("in_progress", [])
+        return [self._event("response.created", response=pending),
+                self._event("response.in_progress", response=pending),
+                self._event("response.output_item.added", output_index=0, item=self.shape.item(None, "in_progress")),
+                self._event("response.content_part.added", **self._where(), part=self.shape.part(""))]
+
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+        frames = [] if self.started else self._start()
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            delta = (choice.get("delta") or {}).get("content")
+            if delta:
+                self.text.append(delta)
+                frames.append(self._event("response.output_text.delta", **self._where(), delta=delta, logprobs=[]))
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        return frames
+
+    def end(self) -> list[bytes]:
+        text = "".join(self.text)
+        status = _status(self.finish_reason)
+        item = self.shape.item(text, status)
+        return [*([] if self.started else self._start()),
+                self._event("response.output_text.done", **self._where(), text=text, logprobs=[]),
+                self._event("response.content_part.done", **self._where(), part=self.shape.part(text)),
+                self._event("response.output_item.done", output_index=0, item=item),
+                self._event(f"response.{status}", response=self.shape.response(status, [item], self.usage or {}))]
+
+    def error(self, err: APIError) -> list[bytes]:
+        error = {"code": "rate_limit_exceeded" if err.status == 429 else "server_error", "message": err.message}
+        failed = self.shape.response("failed", [], self.usage, error)
+        return [*([] if self.started else self._start()), self._event("response.failed", response=failed)]

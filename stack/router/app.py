@@ -1,0 +1,159 @@
+"""The router application: `create_app(config)` wires middlewares, state and routes.
+
+Middlewares, outermost first: request id (X-Request-ID accepted, echoed, logged) → errors (the one
+boundary that turns exceptions into bodies: Anthropic's shape under /v1/messages, OpenAI's
+elsewhere) → guard (the unified key on every /v1 route; per-key limits, usage and the
+`router.request_done` line around generation routes). `/health` and `/metrics` are open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+
+import aiohttp
+from aiohttp import web
+
+from stack.common import events
+from stack.common.config import ConfigError
+from stack.common.errors import APIError, error_middleware, openai_error_body, request_id_middleware
+from stack.common.logging import log_event
+from stack.router.api import anthropic, openai, responses
+from stack.router.appkeys import CALLER, CONFIG, KEYRING, LIMITER, METRICS, PD, STREAM_ERROR, TOKENS, USAGE
+from stack.router.auth import Caller, KeyRing
+from stack.router.config import RouterConfig, load_keys_file
+from stack.router.limits import Limiter
+from stack.router.metrics import Metrics
+from stack.router.pd import PDClient
+from stack.router.usage import UsageStore
+
+# Generation routes (limited, counted) and the API name each one reports in logs and metrics.
+_GENERATION = {openai.CHAT_PATH: "chat", openai.COMPLETIONS_PATH: "completions", "/v1/messages": "messages",
+               "/v1/responses": "responses"}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def render_error(request: web.Request, err: APIError) -> dict:
+    """Each API answers errors in its own shape."""
+    if request.path.startswith("/v1/messages"):
+        return anthropic.anthropic_error_body(err)
+    return openai_error_body(err)
+
+
+@web.middleware
+async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Authenticate /v1 routes; admit, count and charge generation requests for their key."""
+    if not request.path.startswith("/v1/") or request.match_info.http_exception is not None:
+        return await handler(request)  # open routes, and unknown paths (their 404/405 needs no key)
+    keyring = request.app[KEYRING]
+    api = _GENERATION.get(request.path)
+    if api is None:
+        request[CALLER] = keyring.authenticate(request.headers)
+        return await handler(request)
+    limiter = request.app[LIMITER]
+    started = time.perf_counter()
+    status, caller = 500, None
+    try:
+        request[CALLER] = keyring.authenticate(request.headers)
+        limiter.admit(request[CALLER])
+        caller = request[CALLER]
+        response = await handler(request)
+        status = response.status
+        return response
+    except APIError as err:
+        status = err.status
+        raise
+    except asyncio.CancelledError:
+        status = 499  # nginx's "client closed request": the handler was cancelled because the client left
+        request[STREAM_ERROR] = "client_disconnected"
+        raise
+    finally:
+        e2e = time.perf_counter() - started
+        request.app[METRICS].observe_request(api, status, e2e)  # rejected requests count too
+        if caller is not None:
+            _request_done(request, api, caller, status, e2e)
+
+
+def _request_done(request: web.Request, api: str, caller: Caller, status: int, e2e: float) -> None:
+    """Free the key's slot, charge its tokens, and log the request's one summary line."""
+    prompt, completion = request.get(TOKENS, (0, 0))
+    request.app[LIMITER].release(caller, prompt, completion)
+    failed = status >= 400 or STREAM_ERROR in request
+    log_event(events.ROUTER_REQUEST_DONE, f"{api} request done: {status}", "WARNING" if failed else "INFO",
+              api=api, key_name=caller.name, status=status, error=request.get(STREAM_ERROR),
+              prompt_tokens=prompt, completion_tokens=completion, e2e_ms=round(e2e * 1000, 2))
+
+
+async def health(request: web.Request) -> web.Response:
+    """GET /health: the router is up; each backend's state as the router sees it."""
+    return web.json_response({"status": "ok", **request.app[PD].health_snapshot()})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text."""
+    body, content_type = request.app[METRICS].render()
+    return web.Response(body=body.encode(), headers={"Content-Type": content_type})
+
+
+async def usage(request: web.Request) -> web.Response:
+    """GET /v1/usage: the calling key's totals and limits."""
+    caller = request[CALLER]
+    totals = request.app[USAGE].get(caller.name)
+    limits = caller.limits
+    return web.json_response({
+        "object": "usage", "key_name": caller.name, "requests": totals.requests, "prompt_tokens": totals.prompt_tokens,
+        "completion_tokens": totals.completion_tokens, "total_tokens": totals.total_tokens,
+        "in_flight": request.app[LIMITER].in_flight(caller.name),
+        "limits": {"rpm": limits.rpm, "tpm": limits.tpm, "max_concurrent": limits.max_concurrent, "token_quota": limits.token_quota},
+        "quota_remaining": max(0, limits.token_quota - totals.total_tokens) if limits.token_quota else None,
+    })
+
+
+def create_app(config: RouterConfig, env: Mapping[str, str] | None = None) -> web.Application:
+    """The router app for `config`; keys are read from `env` (default: the process environment)."""
+    env = os.environ if env is None else env
+    # One byte over the limit is enough for read_json to tell "too large" with its precise message.
+    app = web.Application(middlewares=[request_id_middleware, error_middleware(render_error), guard],
+                          client_max_size=config.server.max_body_bytes + 1)
+    app[CONFIG] = config
+    app[KEYRING] = KeyRing.from_environment(config, load_keys_file(config), env)
+    app[USAGE] = _open_usage(config)
+    app[LIMITER] = Limiter(app[USAGE])
+    app[METRICS] = Metrics()
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_post(openai.CHAT_PATH, openai.chat_completions)
+    app.router.add_post(openai.COMPLETIONS_PATH, openai.completions)
+    app.router.add_get("/v1/models", openai.models)
+    app.router.add_post("/v1/messages", anthropic.messages)
+    app.router.add_post("/v1/messages/count_tokens", anthropic.count_tokens)
+    app.router.add_post("/v1/responses", responses.responses)
+    app.router.add_get("/v1/usage", usage)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+def _open_usage(config: RouterConfig) -> UsageStore:
+    """The usage file, or a ConfigError naming usage.db_path (e.g. a volume the router cannot write)."""
+    try:
+        return UsageStore(config.usage.db_path)
+    except (OSError, sqlite3.Error) as exc:
+        raise ConfigError(config.source, "usage.db_path", f"cannot open {config.usage.db_path!r} for writing: {exc}") from None
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    """One upstream ClientSession and the PD client for the app's lifetime; the usage file closed last."""
+    config = app[CONFIG]
+    # No total timeout here: the PD client sets per-leg timeouts; streams may run for minutes.
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        pd = PDClient(config.prefill, config.decode, config.scheduler, session, app[METRICS], model_id=config.taotoken.model_id)
+        app[PD] = pd
+        await pd.start()
+        try:
+            yield
+        finally:
+            await pd.close()
+            app[USAGE].close()

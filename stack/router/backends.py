@@ -1,0 +1,192 @@
+"""Backends as the router sees them: a pool config per role, per-backend load and health, breakers.
+
+A `Backend` is one engine endpoint in one role. The router keeps its own accounting (requests in
+flight, outstanding tokens) because it is the only one sending work there; the gRPC health
+monitor (pd.py) and request outcomes decide whether it is `up` and what its breaker allows.
+
+    closed ──N consecutive failures──▶ open ──cool-down──▶ half_open ──success──▶ closed
+                                         ▲                     │
+                                         └──────failure────────┘   (one trial request at a time)
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+from stack.common import events
+from stack.common.config import check
+from stack.common.logging import log_event
+
+DEFAULT_KV_PORT = 9100
+DEFAULT_HEALTH_PORT = 50051
+_ADDR = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+
+Role = Literal["prefill", "decode", "both"]
+
+
+def _check_url(url: str, key: str) -> None:
+    parts = urlsplit(url)
+    check(parts.scheme in ("http", "https") and bool(parts.hostname), key,
+          f"must be an http(s) URL like http://10.0.0.11:8000, got {url!r}")
+    check(parts.path in ("", "/"), key, f"must not contain a path (the router adds /v1/...), got {url!r}")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One [prefill] or [decode] table: the engines serving that role."""
+
+    endpoint: str = ""  # the article's single endpoint ("http://10.0.0.11:8000")
+    endpoints: tuple[str, ...] = ()  # xPyD: several endpoints (merged with `endpoint`, order kept)
+    max_concurrent: int = 32  # requests in flight per backend; more wait in the router's queue
+    kv_addrs: tuple[str, ...] = ()  # decode only: KV receive address per endpoint (default host:9100)
+    health_addrs: tuple[str, ...] = ()  # gRPC health address per endpoint (default host:50051)
+
+    def __post_init__(self) -> None:
+        for i, url in enumerate(self.urls):
+            _check_url(url, "endpoint" if url == self.endpoint else f"endpoints[{i}]")
+        check(self.max_concurrent > 0, "max_concurrent", f"must be > 0, got {self.max_concurrent}")
+        for name in ("kv_addrs", "health_addrs"):
+            addrs = getattr(self, name)
+            check(not addrs or len(addrs) == len(self.urls), name,
+                  f"needs one address per endpoint ({len(self.urls)}), got {len(addrs)}")
+            for i, addr in enumerate(addrs):
+                check(bool(_ADDR.match(addr)), f"{name}[{i}]", f"must be host:port, got {addr!r}")
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        merged = ((self.endpoint,) if self.endpoint else ()) + self.endpoints
+        return tuple(dict.fromkeys(url.rstrip("/") for url in merged))
+
+    def kv_addr(self, index: int) -> str:
+        return self.kv_addrs[index] if self.kv_addrs else f"{urlsplit(self.urls[index]).hostname}:{DEFAULT_KV_PORT}"
+
+    def health_addr(self, index: int) -> str:
+        return self.health_addrs[index] if self.health_addrs else f"{urlsplit(self.urls[index]).hostname}:{DEFAULT_HEALTH_PORT}"
+
+
+def check_topology(prefill: PoolConfig, decode: PoolConfig) -> None:
+    """Prefill and decode pools are either the same engines (colocated) or disjoint (disaggregated)."""
+    check(bool(decode.urls), "decode.endpoint", "at least one decode endpoint is required")
+    shared = set(prefill.urls) & set(decode.urls)
+    check(not shared or set(prefill.urls) == set(decode.urls), "prefill.endpoints",
+          "prefill and decode endpoints must be identical (colocated) or disjoint (disaggregated); "
+          f"shared: {', '.join(sorted(shared))}")
+
+
+def is_colocated(prefill: PoolConfig, decode: PoolConfig) -> bool:
+    return not prefill.urls or set(prefill.urls) == set(decode.urls)
+
+
+class Breaker:
+    """Consecutive-failure circuit breaker for one backend (see the module diagram)."""
+
+    def __init__(self, backend: str, threshold: int, cooldown_s: float) -> None:
+        self.backend = backend
+        self.threshold = threshold
+        self.cooldown_s = cooldown_s
+        self.state: Literal["closed", "open", "half_open"] = "closed"
+        self.failures = 0
+        self.opened_at = 0.0
+        self.trial_in_flight = False
+
+    def _move(self, state: Literal["closed", "open", "half_open"]) -> None:
+        if state != self.state:
+            self.state = state
+            log_event(events.BACKEND_CIRCUIT, f"circuit {state} for {self.backend}", "WARNING" if state == "open" else "INFO",
+                      backend=self.backend, state=state, failures=self.failures)
+
+    def allows(self) -> bool:
+        """May a new request go to this backend now? Moves open → half_open after the cool-down."""
+        if self.state == "open" and time.monotonic() - self.opened_at >= self.cooldown_s:
+            self._move("half_open")
+        if self.state == "half_open":
+            return not self.trial_in_flight
+        return self.state == "closed"
+
+    def retry_after_s(self) -> float:
+        return max(0.0, self.cooldown_s - (time.monotonic() - self.opened_at)) if self.state == "open" else 0.0
+
+    def on_start(self) -> None:
+        if self.state == "half_open":
+            self.trial_in_flight = True
+
+    def on_success(self) -> None:
+        self.failures = 0
+        self.trial_in_flight = False
+        self._move("closed")
+
+    def on_failure(self) -> None:
+        self.failures += 1
+        self.trial_in_flight = False
+        if self.state == "half_open" or self.failures >= self.threshold:
+            self.opened_at = time.monotonic()
+            self._move("open")
+
+
+class Backend:
+    """One engine endpoint in one role, with the router's own load accounting."""
+
+    def __init__(self, url: str, role: Role, max_concurrent: int, kv_addr: str, health_addr: str, breaker: Breaker) -> None:
+        self.url = url
+        self.role = role
+        self.max_concurrent = max_concurrent
+        self.kv_addr = kv_addr
+        self.health_addr = health_addr
+        self.breaker = breaker
+        self.up = True  # until the health monitor or a connect error says otherwise
+        self.in_flight = 0
+        self.outstanding_tokens = 0
+
+    def __repr__(self) -> str:
+        return f"Backend({self.role} {self.url})"
+
+    @property
+    def usable(self) -> bool:
+        """Up and allowed by its breaker (it may still be full)."""
+        return self.up and self.breaker.allows()
+
+    @property
+    def has_slot(self) -> bool:
+        return self.in_flight < self.max_concurrent
+
+    def take(self, tokens: int) -> None:
+        self.in_flight += 1
+        self.outstanding_tokens += tokens
+        self.breaker.on_start()
+
+    def give_back(self, tokens: int) -> None:
+        self.in_flight -= 1
+        self.outstanding_tokens -= tokens
+        # A half-open trial that ended without a verdict (client went away) must not block the next one.
+        self.breaker.trial_in_flight = False
+
+    def set_up(self, up: bool, reason: str) -> bool:
+        """Record health; log and return True when it changed."""
+        if up == self.up:
+            return False
+        was = "up" if self.up else "down"
+        self.up = up
+        log_event(events.BACKEND_HEALTH, f"{self.role} backend {self.url} is {'up' if up else 'down'} ({reason})",
+                  "INFO" if up else "WARNING", backend=self.url, role=self.role, state="up" if up else "down", was=was, reason=reason)
+        return True
+
+    def snapshot(self) -> dict[str, object]:
+        return {
+            "role": self.role, "url": self.url, "state": "up" if self.up else "down",
+            "in_flight": self.in_flight, "max_concurrent": self.max_concurrent,
+            "outstanding_tokens": self.outstanding_tokens, "breaker": self.breaker.state,
+            "health_addr": self.health_addr, **({"kv_addr": self.kv_addr} if self.role == "decode" else {}),
+        }
+
+
+def build_pool(config: PoolConfig, role: Role, breaker_threshold: int, breaker_cooldown_s: float) -> list[Backend]:
+    return [
+        Backend(url, role, config.max_concurrent, config.kv_addr(i), config.health_addr(i),
+                Breaker(url, breaker_threshold, breaker_cooldown_s))
+        for i, url in enumerate(config.urls)
+    ]
+

@@ -1,0 +1,210 @@
+"""The router's settings.toml (the article's schema plus limits, keys and usage), parsed once.
+
+    [server]    host, port, health_port, max_body_bytes
+    [taotoken]  base_url, api_key_env, model_id
+    [prefill]   endpoint | endpoints, max_concurrent, health_addrs            (PoolConfig)
+    [decode]    endpoint | endpoints, max_concurrent, kv_addrs, health_addrs  (PoolConfig)
+    [scheduler] policy, kv_transfer_timeout_ms, …                             (SchedulerConfig)
+    [auth]      keys_file: optional TOML/JSON naming more keys (by env var) with their own limits
+    [limits]    rpm, tpm, max_concurrent, token_quota: per-key defaults, 0 = unlimited
+    [usage]     db_path: the SQLite file holding per-key usage across restarts
+
+`PREFILL_ENDPOINT`, `DECODE_ENDPOINT` and `KV_TRANSFER_PORT` in the environment override the file
+(the article's .env). Keys never live in these files: a value that looks like a secret stops
+start-up with a message naming the env var to use instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from stack.common.config import ConfigError, build, check, read_file
+from stack.router.backends import PoolConfig
+from stack.router.scheduler import SchedulerConfig
+
+DEFAULT_KV_TRANSFER_PORT = 9100
+
+# Key names whose values would be secrets, and value shapes that are keys whatever the name.
+_SECRET_NAME = re.compile(r"(^|_)(api_?key|secret|token|password|passwd)$", re.IGNORECASE)
+# (A long unbroken alphanumeric run is a generated secret; model ids and paths have separators.)
+_SECRET_VALUE = re.compile(r"^(Bearer\s+\S+|sk-[A-Za-z0-9_\-]{6,}|sk_[A-Za-z0-9_\-]{6,}|[A-Za-z0-9]{32,})$")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"  # where the HTTP API listens
+    port: int = 8080  # HTTP API port (the one clients use)
+    health_port: int = 50052  # gRPC health port (compose health checks)
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413 (long agent contexts fit)
+
+    def __post_init__(self) -> None:
+        check(0 <= self.port < 65536, "port", f"must be 0..65535, got {self.port}")
+        check(0 <= self.health_port < 65536, "health_port", f"must be 0..65535, got {self.health_port}")
+        check(self.max_body_bytes >= 1024, "max_body_bytes", f"must be at least 1024, got {self.max_body_bytes}")
+
+
+@dataclass(frozen=True)
+class TaotokenConfig:
+    base_url: str = "https://taotoken.net/api"  # the public channel clients know; informational here
+    api_key_env: str = "TAOTOKEN_API_KEY"  # env var holding the unified key (never the key itself)
+    model_id: str = "your-model-id"  # the public model id clients send; mapped to the engines' model
+
+    def __post_init__(self) -> None:
+        check(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env) is not None, "api_key_env",
+              f"must be the NAME of an environment variable (like TAOTOKEN_API_KEY), got {self.api_key_env!r}")
+        check(bool(self.model_id.strip()), "model_id", "must not be empty")
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    rpm: int = 0  # requests per minute (sliding 60 s window); 0 = unlimited
+    tpm: int = 0  # prompt + completion tokens per minute; 0 = unlimited
+    max_concurrent: int = 0  # requests in flight at once; 0 = unlimited
+    token_quota: int = 0  # total prompt + completion tokens ever (kept in the usage db); 0 = unlimited
+
+    def __post_init__(self) -> None:
+        for name in ("rpm", "tpm", "max_concurrent", "token_quota"):
+            value = getattr(self, name)
+            check(value >= 0, name, f"must be >= 0 (0 = unlimited), got {value}")
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    keys_file: str = ""  # optional TOML/JSON with [[keys]] name, env, limits (relative to settings.toml)
+
+
+@dataclass(frozen=True)
+class UsageConfig:
+    db_path: str = "data/router-usage.sqlite3"  # SQLite file (relative paths: to the working directory)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    taotoken: TaotokenConfig = field(default_factory=TaotokenConfig)
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    limits: KeyLimits = field(default_factory=KeyLimits)
+    usage: UsageConfig = field(default_factory=UsageConfig)
+    source: str = "<defaults>"  # the file this came from (set by load(); not a settings key)
+
+
+@dataclass(frozen=True)
+class KeyEntry:
+    """One [[keys]] entry of the keys file: a named key read from `env`, with optional own limits."""
+
+    name: str
+    env: str  # the env var holding this key
+    rpm: int | None = None  # None = the [limits] default
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    token_quota: int | None = None
+
+    def __post_init__(self) -> None:
+        check(re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", self.name) is not None, "name",
+              f"must be 1-64 letters, digits, '_', '.', '-', got {self.name!r}")
+        check(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.env) is not None, "env",
+              f"must be the NAME of an environment variable, got {self.env!r}")
+        for name in ("rpm", "tpm", "max_concurrent", "token_quota"):
+            value = getattr(self, name)
+            check(value is None or value >= 0, name, f"must be >= 0 (0 = unlimited), got {value}")
+
+    def limits(self, defaults: KeyLimits) -> KeyLimits:
+        own = {name: getattr(self, name) for name in ("rpm", "tpm", "max_concurrent", "token_quota")}
+        return dataclasses.replace(defaults, **{k: v for k, v in own.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class KeysFile:
+    keys: tuple[KeyEntry, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [entry.name for entry in self.keys]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        check(not dupes, "keys", f"duplicate key names: {', '.join(dupes)}")
+
+
+def _reject_secrets(data: Mapping[str, Any], file: str, env_hint: str, prefix: str = "") -> None:
+    """Stop on any value in a config file that is (or is named like) a key."""
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, Mapping):
+            _reject_secrets(value, file, env_hint, f"{key}.")
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if isinstance(item, Mapping):
+                    _reject_secrets(item, file, env_hint, f"{key}[{i}].")
+                elif isinstance(item, str) and _SECRET_VALUE.match(item.strip()):
+                    raise ConfigError(file, f"{key}[{i}]", f"looks like an API key; keys never go in config files: put it in the environment variable {env_hint} instead")
+        elif isinstance(value, str) and value.strip() and (_SECRET_NAME.search(name) or _SECRET_VALUE.match(value.strip())):
+            raise ConfigError(file, key, f"looks like an API key; keys never go in config files: put it in the environment variable {env_hint} instead")
+
+
+def _with_env_overrides(data: dict[str, Any], env: Mapping[str, str], file: str) -> dict[str, Any]:
+    """Apply the article's .env overrides on top of the file's tables."""
+    data = {name: dict(value) if isinstance(value, dict) else value for name, value in data.items()}
+    for var, table in (("PREFILL_ENDPOINT", "prefill"), ("DECODE_ENDPOINT", "decode")):
+        if env.get(var, "").strip():
+            section = data.setdefault(table, {})
+            if not isinstance(section, dict):
+                raise ConfigError(file, table, f"expected a table, got {type(section).__name__}")
+            # The variable names one endpoint (or a comma-separated list for xPyD); it replaces both forms.
+            endpoints = [e.strip() for e in env[var].split(",") if e.strip()]
+            section.pop("endpoint", None)
+            section["endpoints"] = endpoints
+    port_text = env.get("KV_TRANSFER_PORT", "").strip()
+    if port_text:
+        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+            raise ConfigError("environment", "KV_TRANSFER_PORT", f"must be a port number 1..65535, got {port_text!r}")
+        decode = data.setdefault("decode", {})
+        if isinstance(decode, dict) and decode.get("kv_addrs"):
+            decode["kv_addrs"] = [f"{str(addr).rsplit(':', 1)[0]}:{port_text}" for addr in decode["kv_addrs"]]
+    return data
+
+
+def _default_kv_addrs(decode: PoolConfig, env: Mapping[str, str]) -> PoolConfig:
+    """Decode KV addresses default to each decode host with KV_TRANSFER_PORT (9100)."""
+    if decode.kv_addrs:
+        return decode
+    port = int(env.get("KV_TRANSFER_PORT", "").strip() or DEFAULT_KV_TRANSFER_PORT)
+    return dataclasses.replace(decode, kv_addrs=tuple(f"{urlsplit(url).hostname}:{port}" for url in decode.urls))
+
+
+def load(path: str | Path, env: Mapping[str, str] | None = None) -> RouterConfig:
+    """Read settings.toml, apply env overrides, validate; raise ConfigError (one line) on any problem."""
+    env = os.environ if env is None else env
+    file = str(path)
+    data = read_file(path)
+    taotoken = data.get("taotoken")
+    named = taotoken.get("api_key_env") if isinstance(taotoken, dict) else None
+    env_hint = named if isinstance(named, str) and named else TaotokenConfig.api_key_env
+    _reject_secrets(data, file, env_hint)
+    if "source" in data:
+        raise ConfigError(file, "source", "unknown key")
+    config = build(RouterConfig, _with_env_overrides(data, env, file), file)
+    for side in ("prefill", "decode"):
+        pool: PoolConfig = getattr(config, side)
+        if not pool.urls:
+            raise ConfigError(file, f"{side}.endpoint", f"no endpoint: set {side}.endpoint (or {side}.endpoints) or {side.upper()}_ENDPOINT")
+    return dataclasses.replace(config, decode=_default_kv_addrs(config.decode, env), source=file)
+
+
+def load_keys_file(config: RouterConfig) -> KeysFile:
+    """The optional keys file (path relative to settings.toml); key values stay in env vars."""
+    if not config.auth.keys_file:
+        return KeysFile()
+    path = Path(config.auth.keys_file)
+    if not path.is_absolute() and config.source != "<defaults>":
+        path = Path(config.source).parent / path
+    data = read_file(path)
+    _reject_secrets(data, str(path), "named by each entry's `env`")
+    return build(KeysFile, data, path)

@@ -1,0 +1,153 @@
+"""The one seam between the router and an engine's HTTP API: send a leg, map what goes wrong.
+
+Every upstream failure becomes `LegFailed(error, retryable)`: `error` is the typed APIError the
+client sees if no retry helps, `retryable` says whether another backend might succeed (connect
+errors, 5xx, overload, timeouts, a broken connection) or not (the engine rejected the request:
+4xx, the engine's own message passed on). Engine error bodies are logged verbatim as
+`router.upstream_error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+
+from stack.common import events
+from stack.common.errors import (
+    REQUEST_ID_HEADER,
+    APIError,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from stack.common.logging import log_event
+from stack.router.backends import Backend
+
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+class LegFailed(Exception):
+    """One upstream leg failed; `error` is what the client gets if this is the last attempt."""
+
+    def __init__(self, error: APIError, *, retryable: bool, status: int | None = None, unreachable: bool = False) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.retryable = retryable
+        self.status = status
+        self.unreachable = unreachable  # never connected: the backend is down, not just failing
+
+
+def _role_name(backend: Backend) -> str:
+    return "engine" if backend.role == "both" else f"{backend.role} engine"
+
+
+def engine_message(text: str) -> str:
+    """The human message inside an engine error body (OpenAI, vLLM and plain shapes)."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text.strip()[:500] or "(empty body)"
+    if isinstance(data, dict):
+        inner = data.get("error")
+        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+            return inner["message"]
+        for key in ("message", "detail", "error"):
+            if isinstance(data.get(key), str):
+                return data[key]
+    return text.strip()[:500]
+
+
+def status_failure(backend: Backend, status: int, message: str) -> LegFailed:
+    """Map an engine's HTTP error status to the client-facing error and whether to retry."""
+    client_errors: dict[int, type[APIError]] = {400: InvalidRequest, 404: NotFound, 413: PayloadTooLarge, 422: InvalidRequest}
+    if status in client_errors:
+        return LegFailed(client_errors[status](message, code="upstream_rejected"), retryable=False, status=status)
+    if status in (429, 503):
+        return LegFailed(Overloaded(f"{_role_name(backend)} is overloaded: {message}", code="upstream_overloaded"), retryable=True, status=status)
+    if status == 504:
+        return LegFailed(UpstreamTimeout(f"{_role_name(backend)} timed out: {message}"), retryable=True, status=status)
+    if 400 <= status < 500:
+        return LegFailed(InvalidRequest(message, code=f"upstream_{status}"), retryable=False, status=status)
+    return LegFailed(UpstreamError(f"{_role_name(backend)} failed (HTTP {status}): {message}"), retryable=True, status=status)
+
+
+async def response_failure(backend: Backend, response: aiohttp.ClientResponse) -> LegFailed:
+    """Read a non-2xx answer, log its body, and map it."""
+    try:
+        text = await response.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError) as exc:
+        text = f"(body unreadable: {exc!r})"
+    log_event(events.ROUTER_UPSTREAM_ERROR, f"{backend.role} {backend.url} answered HTTP {response.status}", "WARNING",
+              backend=backend.url, role=backend.role, status=response.status, body=text[:2000])
+    return status_failure(backend, response.status, engine_message(text))
+
+
+def exception_failure(backend: Backend, exc: BaseException, phase: str) -> LegFailed:
+    """Map a transport exception (connect, reset, timeout, bad payload) on one leg."""
+    name = _role_name(backend)
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return LegFailed(UpstreamError(f"cannot connect to the {name}"), retryable=True, unreachable=True)
+    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+        return LegFailed(UpstreamTimeout(f"the {name} did not answer in time ({phase})"), retryable=True)
+    if isinstance(exc, (aiohttp.ClientError, ConnectionError)):
+        return LegFailed(UpstreamError(f"the {name} broke the connection ({phase}: {type(exc).__name__})"), retryable=True)
+    if isinstance(exc, ValueError):  # JSON that does not parse, bytes that are not UTF-8
+        return LegFailed(UpstreamError(f"the {name} sent an unreadable answer ({phase}: {exc})"), retryable=True)
+    raise exc
+
+
+def new_session() -> aiohttp.ClientSession:
+    """The one upstream session for the app's lifetime, tuned for a relay.
+
+    No connection cap (the scheduler's max_concurrent is the limit; aiohttp's default pool of 100
+    would make requests wait unseen), keep-alive reuse, no total timeout (legs set their own).
+    """
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=60)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+
+
+def timeout(connect_ms: int, total_ms: int | None = None, read_ms: int | None = None) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=total_ms / 1000 if total_ms else None, sock_connect=connect_ms / 1000,
+                                 sock_read=read_ms / 1000 if read_ms else None)
+
+
+def _headers(request_id: str) -> dict[str, str]:
+    return {**_JSON_HEADERS, REQUEST_ID_HEADER: request_id}
+
+
+async def post_json(session: aiohttp.ClientSession, backend: Backend, path: str, body: dict[str, Any], request_id: str,
+                    client_timeout: aiohttp.ClientTimeout) -> dict[str, Any]:
+    """POST a non-streamed leg and return its JSON answer, or raise LegFailed."""
+    try:
+        async with session.post(backend.url + path, data=json.dumps(body).encode(), headers=_headers(request_id), timeout=client_timeout) as response:
+            if response.status >= 400:
+                raise await response_failure(backend, response)
+            data = json.loads(await response.read())  # engines answer UTF-8 JSON; skips charset sniffing
+    except LegFailed:
+        raise
+    except Exception as exc:  # noqa: BLE001 - exception_failure re-raises anything it does not know
+        raise exception_failure(backend, exc, "non-streamed answer") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
+        raise LegFailed(UpstreamError(f"the {_role_name(backend)} answered without choices"), retryable=True)
+    return data
+
+
+async def open_stream(session: aiohttp.ClientSession, backend: Backend, path: str, body: dict[str, Any], request_id: str,
+                      client_timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+    """POST a streamed leg and return the open 200 response (the caller reads and closes it)."""
+    try:
+        response = await session.post(backend.url + path, data=json.dumps(body).encode(), headers=_headers(request_id), timeout=client_timeout)
+    except Exception as exc:  # noqa: BLE001
+        raise exception_failure(backend, exc, "stream start") from exc
+    if response.status >= 400:
+        try:
+            raise await response_failure(backend, response)
+        finally:
+            response.release()
+    return response

@@ -1,0 +1,76 @@
+"""Per-key usage (requests, prompt and completion tokens) in an SQLite file that outlives the router.
+
+Totals are loaded into memory at start so quota checks cost nothing; every finished request
+updates memory and upserts its row. WAL with `synchronous=NORMAL` makes that upsert a page write
+without an fsync (tens of µs), cheap enough to run on the event loop; a power cut may lose the
+last moments of usage, a restart loses none (the connection is closed cleanly on shutdown).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS key_usage (
+    key_name TEXT PRIMARY KEY,
+    requests INTEGER NOT NULL DEFAULT 0,
+    prompt_tokens INTEGER NOT NULL DEFAULT 0,
+    completion_tokens INTEGER NOT NULL DEFAULT 0,
+    updated_at REAL NOT NULL
+)
+"""
+
+_UPSERT = """
+INSERT INTO key_usage (key_name, requests, prompt_tokens, completion_tokens, updated_at)
+VALUES (?, 1, ?, ?, ?)
+ON CONFLICT (key_name) DO UPDATE SET
+    requests = requests + 1,
+    prompt_tokens = prompt_tokens + excluded.prompt_tokens,
+    completion_tokens = completion_tokens + excluded.completion_tokens,
+    updated_at = excluded.updated_at
+"""
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One key's totals since the usage file was created."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class UsageStore:
+    """Reads all totals at open, then adds each finished request to memory and to the file."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if str(path) != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute(_SCHEMA)
+        rows = self._db.execute("SELECT key_name, requests, prompt_tokens, completion_tokens FROM key_usage")
+        self._totals = {name: Usage(requests, prompt, completion) for name, requests, prompt, completion in rows}
+
+    def get(self, key_name: str) -> Usage:
+        return self._totals.get(key_name, Usage())
+
+    def add(self, key_name: str, prompt_tokens: int, completion_tokens: int) -> Usage:
+        """Count one finished request (with whatever tokens it used) for `key_name`."""
+        old = self.get(key_name)
+        new = Usage(old.requests + 1, old.prompt_tokens + prompt_tokens, old.completion_tokens + completion_tokens)
+        self._totals[key_name] = new
+        self._db.execute(_UPSERT, (key_name, prompt_tokens, completion_tokens, time.time()))
+        return new
+
+    def close(self) -> None:
+        self._db.close()

@@ -1,0 +1,80 @@
+"""What the compose files resolve to (`docker compose config`): GPU overlays, CPU sets, ports, mounts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.compose_stack import COLOCATED, DISAGGREGATED, compose_run, stack_env, unique_project, write_env_file
+
+pytestmark = pytest.mark.integration
+
+GPU = ("compose.yaml", "compose.gpu.yaml")
+P2PNCCL = (*GPU, "compose.gpu.p2pnccl.yaml")
+
+
+@pytest.fixture()
+def resolve() -> Iterator[Any]:
+    """resolve(files, env overrides) -> the merged compose config as a dict."""
+    made: list[Path] = []
+
+    def _resolve(files: Sequence[str], env: Mapping[str, str | None] | None = None) -> dict[str, Any]:
+        env_file = write_env_file(stack_env(unique_project("pdt-config"), env))
+        made.append(env_file)
+        return json.loads(compose_run(files, env_file, ["config", "--format", "json"]).stdout)
+
+    yield _resolve
+    for path in made:
+        path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize(("files", "connector"), [(GPU, "NixlConnector"), (P2PNCCL, "P2pNcclConnector")])
+def test_gpu_overlay_validates_with_vllm_and_gpu_reservations(resolve, files, connector) -> None:
+    """The GPU overlays resolve: vLLM images, the connector's kv-transfer-config, a GPU each, our router."""
+    config = resolve(files)
+    for service, role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        svc = config["services"][service]
+        assert svc["image"].startswith("vllm/vllm-openai")
+        assert "build" not in svc  # never build our Dockerfile under vLLM's name
+        assert svc["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+        kv_config = json.loads(next(a for a in svc["command"] if a.startswith("--kv-transfer-config="))
+                               .split("=", 1)[1])
+        assert kv_config["kv_connector"] == connector
+        assert kv_config["kv_role"] == role
+    assert config["services"]["router"]["image"] == "pd-deploy/app:latest"
+
+
+def test_cpu_sets_come_from_env_and_are_absent_when_unset(resolve) -> None:
+    """PREFILL/DECODE/ENGINE_CPUS pin cores (same cores for both stacks); unset means no cpuset at all."""
+    pinned = {"PREFILL_CPUS": "0", "DECODE_CPUS": "1", "ENGINE_CPUS": "0-1", "ROUTER_CPUS": "0-1"}
+    disaggregated = resolve(DISAGGREGATED, pinned)["services"]
+    colocated = resolve(COLOCATED, pinned)["services"]
+    assert (disaggregated["prefill"]["cpuset"], disaggregated["decode"]["cpuset"]) == ("0", "1")
+    assert colocated["engine"]["cpuset"] == "0-1"
+    assert disaggregated["router"]["cpuset"] == colocated["router"]["cpuset"] == "0-1"
+    unpinned = resolve(DISAGGREGATED)["services"]
+    assert all("cpuset" not in svc for svc in unpinned.values())
+
+
+def test_colocated_router_is_the_same_service_on_the_same_port(resolve) -> None:
+    """The colocated router keeps the port, key and config; only its endpoints point at the one engine."""
+    env = {"ROUTER_PORT": "18765", "TAOTOKEN_API_KEY": "sk-same"}
+    disaggregated = resolve(DISAGGREGATED, env)["services"]["router"]
+    colocated = resolve(COLOCATED, env)["services"]["router"]
+    for router in (disaggregated, colocated):
+        assert [(p["target"], p["published"]) for p in router["ports"]] == [(8080, "18765")]
+        assert router["environment"]["TAOTOKEN_API_KEY"] == "sk-same"
+        assert router["command"] == disaggregated["command"]
+    assert colocated["environment"]["PREFILL_ENDPOINT"] == colocated["environment"]["DECODE_ENDPOINT"] == "http://engine:8000"
+
+
+def test_checkpoint_dir_is_mounted_read_only_in_every_engine(resolve, tmp_path) -> None:
+    """PD_CHECKPOINT_DIR binds a host directory read-only at /models in prefill and decode."""
+    services = resolve(DISAGGREGATED, {"PD_CHECKPOINT_DIR": str(tmp_path)})["services"]
+    for name in ("prefill", "decode"):
+        mount = next(v for v in services[name]["volumes"] if v["target"] == "/models")
+        assert (mount["type"], mount["source"], mount["read_only"]) == ("bind", str(tmp_path), True)

@@ -1,0 +1,146 @@
+"""The disaggregated compose stack end to end: start order, ports, PD through the router, faults."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+import uuid
+from typing import Any
+
+import openai
+import pytest
+
+from tests.integration.compose_stack import Stack, parse_ts
+
+pytestmark = pytest.mark.integration
+
+PROMPT = [{"role": "user", "content": "Explain prefill and decode in one sentence."}]
+
+
+def _client(stack: Stack, **kw: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url, api_key=stack.api_key, max_retries=0, **kw)
+
+
+def _router_health(stack: Stack) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{stack.router_url}/health", timeout=5) as response:
+        return json.load(response)
+
+
+def _decode_state(stack: Stack) -> str:
+    return next(b["state"] for b in _router_health(stack)["backends"] if b["role"] == "decode")
+
+
+def _wait_decode_state(stack: Stack, state: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    seen = _decode_state(stack)
+    while seen != state and time.monotonic() < deadline:
+        time.sleep(0.5)
+        seen = _decode_state(stack)
+    return seen
+
+
+def _first_healthy(stack: Stack, service: str) -> float:
+    """When docker first reported the service healthy during `up` (health_status events)."""
+    times = [e["timeNano"] / 1e9 for e in stack.events_at_start
+             if e.get("Actor", {}).get("Attributes", {}).get("com.docker.compose.service") == service
+             and e.get("Action", e.get("status", "")) == "health_status: healthy"]
+    assert times, f"no healthy event for {service} during up"
+    return min(times)
+
+
+def _started(stack: Stack, service: str) -> float:
+    return parse_ts(stack.inspect_at_start[service]["State"]["StartedAt"]).timestamp()
+
+
+def _chat_stream(stack: Stack, request_id: str, **kw: Any) -> str:
+    stream = _client(stack).chat.completions.create(
+        model="your-model-id", messages=PROMPT, stream=True, extra_headers={"X-Request-ID": request_id}, **kw)
+    return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+
+
+def test_start_order_decode_then_prefill_then_router(pd_stack: Stack) -> None:
+    """decode is healthy before prefill starts, and prefill (and decode) before the router starts."""
+    decode_healthy = _first_healthy(pd_stack, "decode")
+    prefill_healthy = _first_healthy(pd_stack, "prefill")
+    assert decode_healthy <= _started(pd_stack, "prefill")
+    assert prefill_healthy <= _started(pd_stack, "router")
+    assert decode_healthy <= _started(pd_stack, "router")
+    for service in ("decode", "prefill", "router"):
+        assert pd_stack.inspect_at_start[service]["State"]["Health"]["Status"] == "healthy"
+
+
+def test_only_the_router_port_is_published(pd_stack: Stack) -> None:
+    """Only the router's 8080 is bound on the host; the engines' HTTP and KV ports are only exposed."""
+    router = pd_stack.container("router").attrs
+    assert router["HostConfig"]["PortBindings"] == {"8080/tcp": [{"HostIp": "", "HostPort": str(pd_stack.router_port)}]}
+    for service in ("prefill", "decode"):
+        attrs = pd_stack.container(service).attrs
+        assert not attrs["HostConfig"]["PortBindings"], f"{service} publishes {attrs['HostConfig']['PortBindings']}"
+        assert all(not binding for binding in (attrs["NetworkSettings"]["Ports"] or {}).values())
+    decode = pd_stack.container("decode").attrs
+    assert "9100/tcp" in decode["Config"]["ExposedPorts"]  # the KV port: reachable by prefill only
+    models = _client(pd_stack).models.list()
+    assert [m.id for m in models.data] == ["your-model-id"]
+
+
+def test_kv_network_joins_only_prefill_and_decode(pd_stack: Stack) -> None:
+    """The KV network holds prefill and decode and nothing else; the router is not on it."""
+    members = {name for name in ("decode", "prefill", "router")
+               if pd_stack.network("kv") in pd_stack.container(name).attrs["NetworkSettings"]["Networks"]}
+    assert members == {"prefill", "decode"}
+
+
+def test_streamed_chat_goes_through_prefill_then_decode(pd_stack: Stack) -> None:
+    """A streamed chat via the openai SDK returns tokens; prefill logs kv_producer and decode kv_consumer for it."""
+    request_id = f"it-{uuid.uuid4().hex[:12]}"
+    text = _chat_stream(pd_stack, request_id, max_tokens=12, seed=5)
+    assert text
+    produced = pd_stack.wait_for_event("prefill", "kv_producer.sent", request_id)
+    consumed = pd_stack.wait_for_event("decode", "kv_consumer.claimed", request_id)
+    assert produced and consumed
+    assert produced[0]["transfer_id"] == consumed[0]["transfer_id"]
+    assert {e["event"] for e in pd_stack.events("decode", request_id)} >= {"kv_consumer.received", "kv_consumer.claimed"}
+    assert any(e["event"] == "router.kv_handoff" for e in pd_stack.events("router", request_id))
+
+
+def test_killing_decode_mid_stream_is_a_clean_error_and_recovers(pd_stack: Stack) -> None:
+    """docker kill decode during a stream: the SDK raises an API error, the router marks decode down, then serves again."""
+    decode = pd_stack.container("decode")
+    stream = _client(pd_stack, timeout=60).chat.completions.create(
+        model="your-model-id", messages=PROMPT, stream=True, max_tokens=400, extra_headers={"X-Request-ID": "it-kill"})
+    with pytest.raises(openai.APIError) as raised:
+        for index, _chunk in enumerate(stream):
+            if index == 2:
+                decode.kill()
+    assert raised.value.message
+    # Bounds: the router's gRPC health probe notices within a few probe intervals; 30 s only catches a hang.
+    assert _wait_decode_state(pd_stack, "down", timeout_s=30) == "down"
+    assert any(e["event"] == "router.decode_failed" and e.get("mid_stream") for e in pd_stack.events("router", "it-kill"))
+
+    decode.start()
+    pd_stack.wait_healthy("decode")
+    assert _wait_decode_state(pd_stack, "up", timeout_s=60) == "up"
+    assert _chat_stream(pd_stack, "it-after-kill", max_tokens=8)
+
+
+def test_cutting_the_kv_network_fails_the_request_cleanly(pd_stack: Stack) -> None:
+    """Prefill cut off the KV network: its push fails (kv_producer.connect_failed), the router answers 502, both log it."""
+    network = pd_stack.network("kv")
+    prefill = pd_stack.container("prefill")
+    client = _client(pd_stack, timeout=90)
+    prefill.client.networks.get(network).disconnect(prefill)
+    try:
+        with pytest.raises(openai.APIStatusError) as raised:
+            client.chat.completions.create(model="your-model-id", messages=PROMPT, max_tokens=8,
+                                           extra_headers={"X-Request-ID": "it-kv-cut"})
+    finally:
+        prefill.client.networks.get(network).connect(prefill, aliases=["prefill"])
+    assert raised.value.status_code == 502
+    assert "decode_kv_addr" in raised.value.message
+    producer = pd_stack.wait_for_event("prefill", "kv_producer.connect_failed", "it-kv-cut")
+    assert producer and producer[0]["decode_kv_addr"].endswith(":9100")
+    assert any(e["event"] == "router.prefill_failed" for e in pd_stack.events("router", "it-kv-cut"))
+    # The decode never got a decode leg for it: the router hands off only after a successful push.
+    assert not [e for e in pd_stack.events("decode", "it-kv-cut") if e["event"].startswith("kv_consumer.claimed")]
+    assert _chat_stream(pd_stack, "it-after-cut", max_tokens=8)

@@ -1,0 +1,172 @@
+"""Each log-based diagnosis on its recorded bundle: the right cause, evidence from the right services."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.doctor.helpers import by_id, diagnose
+
+
+def services(finding) -> set[str]:
+    return {e.service for e in finding.evidence}
+
+
+@pytest.mark.parametrize("bundle", ["healthy_v2ts.log", "healthy_v1.log", "healthy_split"])
+def test_healthy_stack_gives_no_finding_and_says_so(bundle):
+    """A working stack (any compose format, skewed clock, garbage lines) yields only the healthy summary."""
+    findings, ctx = diagnose(bundle)
+    assert [f.id for f in findings] == ["healthy"]
+    assert findings[0].title == "healthy: 5 requests went router → prefill → KV → decode"
+    assert findings[0].severity == "ok"
+
+
+def test_router_started_without_key():
+    """auth.key_missing at start + no_keys_configured rejections → the env var was not injected."""
+    findings, _ = diagnose("router_key_missing.log")
+    f = by_id(findings, "auth.router_key_missing")
+    assert f.severity == "error"
+    assert "TAOTOKEN_API_KEY" in f.title
+    assert "docker compose exec router" in f.fix and ".env" in f.fix
+    assert services(f) == {"router"}
+    assert len(f.request_ids) == 3
+    assert [x.id for x in findings] == ["auth.router_key_missing"]
+
+
+def test_each_401_reason_and_quota_told_from_rate_limit():
+    """Missing header, whitespace and unknown key are separate findings; quota is an error, rate a warning."""
+    findings, _ = diagnose("auth_mixed.log")
+    ids = {f.id: f for f in findings}
+    assert set(ids) == {"auth.no_header", "auth.key_whitespace", "auth.unknown_key", "limit.quota_exhausted",
+                        "limit.rate_limited"}
+    assert len(ids["auth.unknown_key"].request_ids) == 2
+    assert "x-api-key ×1" in ids["auth.unknown_key"].cause
+    assert ids["limit.quota_exhausted"].severity == "error"
+    assert "100204 of 100000" in ids["limit.quota_exhausted"].title
+    assert ids["limit.rate_limited"].severity == "warning"
+    assert "limit.quota_exhausted" in ids["limit.quota_exhausted"].evidence[0].line
+
+
+def test_pasted_401_without_router_rejection_is_not_from_the_router():
+    """A client 401 while the router rejected nothing → the request went to another server."""
+    findings, _ = diagnose("healthy_v2ts.log", client=("client_openai_401.txt",))
+    f = by_id(findings, "auth.not_from_router")
+    assert "client" in services(f)
+
+
+def test_decode_failed_after_successful_prefill():
+    """router.prefill_done then decode 500 → evidence from the router and from decode, with the client's KeyError."""
+    findings, _ = diagnose("decode_failed.log", client=("client_keyerror.txt",))
+    f = by_id(findings, "choices.decode_failed")
+    assert services(f) == {"client", "router", "decode"}
+    assert any('"router.prefill_done"' in e.line for e in f.evidence)
+    assert any('"http.error"' in e.line and e.service == "decode" for e in f.evidence)
+    assert "sampling produced NaN logits" in f.cause
+    assert len(f.request_ids) == 2
+    assert "request.stopped" not in {x.id for x in findings}
+
+
+def test_keyerror_on_an_error_body_names_the_status():
+    """A KeyError: 'choices' next to 401s → an error body reached the client; the statuses are named."""
+    findings, _ = diagnose("auth_mixed.log", client=("client_keyerror.txt",))
+    f = by_id(findings, "choices.error_body")
+    assert "401 ×4" in f.title and "429 ×2" in f.title
+
+
+def test_stream_cut_mid_way_has_no_done():
+    """router.decode_failed mid_stream=true → a stream without [DONE]."""
+    findings, _ = diagnose("stream_cut.log")
+    f = by_id(findings, "choices.stream_without_done")
+    assert services(f) == {"router", "decode"}
+    assert any(e.service == "decode" and "http.error" in e.line for e in f.evidence)
+
+
+def test_index_error_on_usage_chunk():
+    """IndexError with a stream that ended with a usage chunk → the client must skip empty choices."""
+    findings, _ = diagnose("usage_chunk.log", client=("client_index_error.txt",))
+    f = by_id(findings, "choices.empty_choices_chunk")
+    assert f.severity == "warning"
+    assert "if not chunk.choices: continue" in f.fix
+
+
+def test_kv_port_mismatch():
+    """connect refused to decode:9100 while decode listens on 9200 → kv_port mismatch, both ports named."""
+    findings, _ = diagnose("kv_port_mismatch.log")
+    f = by_id(findings, "kv.port_mismatch")
+    assert "decode:9100" in f.title and "9200" in f.title
+    assert {"prefill", "decode", "router"} <= services(f)
+    assert any("kv_consumer.listening" in e.line for e in f.evidence)
+    assert [x.id for x in findings] == ["kv.port_mismatch"]  # the decode timeouts are folded in
+
+
+def test_kv_port_unreachable_is_a_network_problem():
+    """connect timed out → unreachable (network), not a port mismatch."""
+    findings, _ = diagnose("kv_unreachable.log")
+    f = by_id(findings, "kv.unreachable")
+    assert "socket.create_connection(('decode', 9100)" in f.fix
+    assert "kv.port_mismatch" not in {x.id for x in findings}
+
+
+def test_kv_buffer_too_small_only_for_long_prompts():
+    """buffer_full names both numbers and the failed prompt sizes vs the largest that succeeded."""
+    findings, _ = diagnose("kv_buffer_full.log")
+    f = by_id(findings, "kv.buffer_too_small")
+    assert "8192000 bytes > 262144 bytes" in f.title
+    assert "Failed prompts: 1800, 4000 tokens" in f.cause
+    assert "largest that went through: 100 tokens" in f.cause
+    assert services(f) == {"prefill", "decode"}
+    assert "kv_buffer_size" in f.fix and "7e7" in f.fix
+
+
+def test_decode_timeout_without_a_push():
+    """kv_consumer.timeout with no kv_producer.sent for the transfer → prefill never sent."""
+    findings, _ = diagnose("kv_timeout.log")
+    f = by_id(findings, "kv.timeout_never_sent")
+    assert "decode" in services(f)
+    assert "5000 ms" in f.title
+
+
+def test_model_version_mismatch():
+    """A fingerprint mismatch names both model versions."""
+    findings, _ = diagnose("kv_model_mismatch.log")
+    f = by_id(findings, "kv.model_mismatch")
+    assert "llama-tiny-seed1-77d0b3c1" in f.cause and "llama-tiny-seed0-4c1f9a2e" in f.cause
+    assert {"prefill", "decode"} <= services(f)
+
+
+def test_router_not_running():
+    """Only engine lines and a client connection error → the router is not running."""
+    findings, _ = diagnose("router_down.log", client=("client_codex_disconnect.txt",))
+    f = by_id(findings, "router.not_running")
+    assert "client" in services(f)
+    assert "docker compose up -d router" in f.fix
+
+
+def test_client_error_not_in_router_log():
+    """CC Switch 'local proxy failed' while the router saw only other requests → cannot reach the router."""
+    findings, _ = diagnose("healthy_v1.log", client=("client_ccswitch.txt",))
+    f = by_id(findings, "client.cannot_reach_router")
+    assert "CC Switch" in f.cause
+    assert {"client", "router"} == services(f)
+
+
+def test_oauth_expired_pasted():
+    """'OAuth token has expired' → the client uses its own OAuth login, fix names the router and the env var."""
+    findings, _ = diagnose("healthy_v1.log", client=("client_oauth_expired.txt",))
+    f = by_id(findings, "oauth.token_expired")
+    assert "http://localhost:8080" in f.fix and "TAOTOKEN_API_KEY" in f.fix
+
+
+def test_recorded_healthy_stack():
+    """Logs really printed by a compose stack (3 streamed requests, health probes) → healthy, probes not counted."""
+    findings, ctx = diagnose("recorded_healthy.log")
+    assert [f.title for f in findings] == ["healthy: 3 requests went router → prefill → KV → decode"]
+    assert len(ctx.timelines) == 3
+
+
+def test_recorded_kv_port_mismatch():
+    """Logs really printed after decode was recreated with kv_port 9200 → kv.port_mismatch and nothing else."""
+    findings, _ = diagnose("recorded_kv_port.log")
+    assert [f.id for f in findings] == ["kv.port_mismatch"]
+    f = findings[0]
+    assert f.request_ids == ("rec-kvport-0",)
+    assert {"router", "prefill", "decode"} == services(f)

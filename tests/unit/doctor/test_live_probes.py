@@ -1,0 +1,47 @@
+"""Live probes that need no stack: the compose v1 trap and reading the key (never printing it)."""
+
+from __future__ import annotations
+
+import stat
+
+import pytest
+
+from doctor import live
+from doctor.errors import DoctorError
+
+
+def _tool(folder, name: str, script: str) -> None:
+    path = folder / name
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def test_compose_v1_only_is_the_unknown_flag_wait_trap(tmp_path, monkeypatch):
+    """A docker CLI without the compose plugin and a v1 docker-compose → error naming v1 and --wait."""
+    _tool(tmp_path, "docker", 'case "$1" in version) echo "28.2.2 20.10.24 1.41";; '
+                              '*) echo "docker: unknown command: docker compose" >&2; exit 1;; esac\n')
+    _tool(tmp_path, "docker-compose", 'echo "1.29.2"\n')
+    monkeypatch.setenv("PATH", str(tmp_path))
+    found = {f.id: f for f in live.probe_docker()}
+    assert found["docker.version"].title == "docker client 28.2.2, engine 20.10.24 (API 1.41)"
+    compose = found["docker.compose"]
+    assert compose.severity == "error"
+    assert "docker-compose 1.29.2, v1" in compose.title and "unknown flag: --wait" in compose.cause
+    assert "cli-plugins" in compose.fix
+
+
+def test_no_docker_means_the_doctor_cannot_run(tmp_path, monkeypatch):
+    """No docker CLI on PATH → DoctorError (exit 2), not a finding."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(DoctorError, match="not on PATH"):
+        live.probe_docker()
+
+
+def test_key_read_from_env_then_dotenv(tmp_path, monkeypatch):
+    """The shell's TAOTOKEN_API_KEY wins over .env, as in compose."""
+    monkeypatch.delenv("TAOTOKEN_API_KEY", raising=False)
+    env_file = tmp_path / ".env"
+    env_file.write_text("# comment\nTAOTOKEN_API_KEY=sk-from-dotenv\nOTHER=1\n")
+    assert live.read_key(env_file) == "sk-from-dotenv"
+    monkeypatch.setenv("TAOTOKEN_API_KEY", "sk-from-shell")
+    assert live.read_key(env_file) == "sk-from-shell"

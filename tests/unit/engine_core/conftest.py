@@ -1,0 +1,25 @@
+"""Fixtures for the engine core tests (helpers and the naive reference live in reference.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stack.engine.model import Model, load_model
+
+from .reference import TINY, model_from_tensors, random_hf_tensors
+
+
+@pytest.fixture(scope="session")
+def tiny_tensors() -> dict[str, np.ndarray]:
+    return random_hf_tensors(TINY, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_tensors: dict[str, np.ndarray]) -> Model:
+    return model_from_tensors(TINY, tiny_tensors)
+
+
+@pytest.fixture(scope="session")
+def dummy_tiny() -> Model:
+    return load_model("dummy:tiny", seed=0)

@@ -1,0 +1,119 @@
+"""The engine's config.json: the article's schema is accepted, mistakes stop start-up with one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stack.common.config import ConfigError
+from stack.common.health import SERVING, probe
+from stack.engine.__main__ import main
+from stack.engine.config import load_config
+
+from .conftest import REPO, EngineProcess
+
+ARTICLE_PREFILL = {
+    "model": "your-model-id", "role": "prefill", "tensor_parallel_size": 4, "pipeline_parallel_size": 1,
+    "max_num_batched_tokens": 8192, "gpu_memory_utilization": 0.85,
+    "kv_transfer_config": {"kv_connector": "P2pNcclConnector", "kv_role": "kv_producer", "kv_port": 9100, "kv_buffer_size": "8e9"},
+}
+
+
+def run_engine(tmp_path: Path, config: dict | str, *args: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "config.json"
+    path.write_text(config if isinstance(config, str) else json.dumps(config))
+    return subprocess.run([sys.executable, "-m", "stack.engine", "--config", str(path), "--port", "0", *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def test_the_articles_prefill_config_parses(tmp_path: Path) -> None:
+    """The article's prefill config.json loads verbatim; "8e9" is a number of bytes."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(ARTICLE_PREFILL))
+    config, _ = load_config(path)
+    assert config.role == "prefill" and config.kv_role == "kv_producer"
+    assert config.kv_transfer_config.buffer_bytes == 8_000_000_000
+    assert config.max_num_batched_tokens == 8192 and not config.is_kv_consumer
+
+
+@pytest.mark.parametrize(
+    ("change", "key", "problem"),
+    [
+        ({"max_num_batch_tokens": 10}, "max_num_batch_tokens", "unknown key"),
+        ({"kv_transfer_config": {"kv_port": "91x0"}}, "kv_transfer_config.kv_port", "expected an integer"),
+        ({"role": "router"}, "role", "must be one of"),
+        ({"kv_transfer_config": {"kv_buffer_size": "lots"}}, "kv_transfer_config.kv_buffer_size", "expected a number"),
+        ({"kv_transfer_config": {"kv_role": "kv_consumer"}}, "kv_transfer_config.kv_role", "does not fit role 'prefill'"),
+        ({"checkpoint": "dummy:huge"}, "checkpoint", "unknown dummy size"),
+        ({"checkpoint": "dummy:tiny", "max_model_len": 4096}, "max_model_len", "exceeds the model's max_seq_len 512"),
+    ],
+    ids=["unknown-key", "wrong-type", "bad-literal", "bad-size", "role-conflict", "bad-checkpoint", "context-too-long"],
+)
+def test_config_mistake_is_one_line_naming_file_key_problem_exit_2(tmp_path: Path, capsys, change: dict, key: str, problem: str) -> None:
+    """A wrong config makes main() return 2 with one stderr line, file: key: problem, and one config.invalid event."""
+    config = {**ARTICLE_PREFILL, **change}
+    if "kv_transfer_config" in change:
+        config["kv_transfer_config"] = {**ARTICLE_PREFILL["kv_transfer_config"], **change["kv_transfer_config"]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    code = main(["--config", str(path)])
+
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert err.splitlines() == [err.strip()] and err.startswith(f"error: {path}: {key}: ") and problem in err
+    logged = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [line["event"] for line in logged] == ["config.invalid"] and logged[0]["key"] == key
+
+
+def test_engine_process_exits_2_without_traceback(tmp_path: Path) -> None:
+    """The real process: an unknown key exits with code 2 and a single stderr line, no traceback."""
+    result = run_engine(tmp_path, {**ARTICLE_PREFILL, "max_num_batch_tokens": 10})
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1
+    assert lines[0].startswith(f"error: {tmp_path / 'config.json'}: max_num_batch_tokens: unknown key")
+    assert "Traceback" not in result.stderr
+
+
+def test_invalid_json_names_the_line(tmp_path: Path, capsys) -> None:
+    """A syntax error in config.json is reported with its line, exit code 2."""
+    path = tmp_path / "config.json"
+    path.write_text('{\n  "role": "decode",\n}')
+    assert main(["--config", str(path)]) == 2
+    assert "invalid JSON at line 3" in capsys.readouterr().err
+
+
+def test_override_goes_through_the_same_validation(tmp_path: Path, capsys) -> None:
+    """A bad --kv-port override fails like a bad file value."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"role": "decode", "checkpoint": "dummy:tiny"}))
+    assert main(["--config", str(path), "--kv-port", "70000"]) == 2
+    assert "kv_transfer_config.kv_port: must be a TCP port" in capsys.readouterr().err
+
+
+def test_shipped_configs_start_and_report_ignored_fields(tmp_path: Path) -> None:
+    """stack/decode/config.json starts (tiny checkpoint, free KV port) and logs each CPU-meaningless key once."""
+    engine = EngineProcess(tmp_path, "decode", json.loads((REPO / "stack/decode/config.json").read_text()),
+                           ("--checkpoint", "dummy:tiny", "--kv-port", "0"))
+    try:
+        engine.wait_ready()
+        ignored = {line["key"] for line in engine.events("config.ignored")}
+        assert ignored == {"tensor_parallel_size", "pipeline_parallel_size", "gpu_memory_utilization", "kv_transfer_config.kv_connector"}
+        assert engine.events("service.starting")[0]["checkpoint"] == "dummy:tiny"
+        assert engine.kv_port() != 9100
+        assert probe(f"127.0.0.1:{engine.health_port}") == SERVING  # gRPC health after warm-up
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode", "colocated"])
+def test_shipped_config_files_are_valid(role: str) -> None:
+    """Every shipped config.json passes validation with the role its folder names."""
+    try:
+        config, _ = load_config(REPO / "stack" / role / "config.json")
+    except ConfigError as exc:
+        pytest.fail(str(exc))
+    assert config.role == {"colocated": "both"}.get(role, role)

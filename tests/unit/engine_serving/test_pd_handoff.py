@@ -1,0 +1,124 @@
+"""PD hand-off between real engine processes: the same tokens as a colocated engine, over the KV socket."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+
+from stack.common.sse import DONE, read_events
+
+from .conftest import EngineProcess, chat, prefill_leg, write_hf_checkpoint
+
+
+@dataclass
+class Trio:
+    both: EngineProcess
+    prefill: EngineProcess
+    decode: EngineProcess
+
+
+@pytest.fixture(scope="module", params=["dummy:tiny", "hf-checkpoint"])
+def trio(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
+    tmp = tmp_path_factory.mktemp("trio")
+    checkpoint = request.param if request.param.startswith("dummy") else str(write_hf_checkpoint(tmp / "checkpoint"))
+    base = {"model": "tiny", "checkpoint": checkpoint, "seed": 0}
+    engines = Trio(
+        both=EngineProcess(tmp, "both", {**base, "role": "both"}),
+        prefill=EngineProcess(tmp, "prefill", {**base, "role": "prefill"}),
+        decode=EngineProcess(tmp, "decode", {**base, "role": "decode", "kv_transfer_config": {"kv_port": 0}}),
+    )
+    try:
+        for engine in (engines.both, engines.prefill, engines.decode):
+            engine.wait_ready()
+        yield engines
+    finally:
+        for engine in (engines.both, engines.prefill, engines.decode):
+            engine.stop()
+
+
+async def stream_chunks(session: aiohttp.ClientSession, url: str, body: dict[str, Any], request_id: str) -> list[dict[str, Any]]:
+    async with session.post(f"{url}/v1/chat/completions", json=body, headers={"X-Request-ID": request_id}) as response:
+        assert response.status == 200, await response.text()
+        chunks = []
+        async for _, data in read_events(response.content):
+            if data == DONE:
+                break
+            chunks.append(json.loads(data))
+    return chunks
+
+
+SAMPLINGS = [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 1234}]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "seeded"])
+async def test_pd_pair_streams_the_same_tokens_as_colocated(trio: Trio, sampling: dict[str, Any]) -> None:
+    """Prefill → KV socket → decode yields token-for-token the colocated stream (greedy and seeded)."""
+    body = chat("hello there w1 w2 w3 hello world", max_tokens=24, stream=True, stream_options={"include_usage": True}, **sampling)
+    request_id = f"pd-{uuid.uuid4().hex[:8]}"
+    transfer_id = f"t-{request_id}"
+    kv_addr = f"127.0.0.1:{trio.decode.kv_port()}"
+    async with aiohttp.ClientSession() as session:
+        colocated = await stream_chunks(session, trio.both.url, body, f"colo-{request_id}")
+
+        async with session.post(f"{trio.prefill.url}/v1/chat/completions", json=prefill_leg(body, transfer_id, kv_addr),
+                                headers={"X-Request-ID": request_id}) as response:
+            assert response.status == 200, await response.text()
+            prefilled = await response.json()
+        params = prefilled["kv_transfer_params"]
+        assert params["do_remote_prefill"] is True and params["transfer_id"] == transfer_id
+        disaggregated = await stream_chunks(session, trio.decode.url, body | {"kv_transfer_params": params}, request_id)
+
+    def tokens(chunks: list[dict[str, Any]]) -> list[str]:
+        return [c["choices"][0]["delta"]["content"] for c in chunks if c["choices"]]
+
+    assert tokens(disaggregated) == tokens(colocated)
+    assert disaggregated[-1]["usage"] == colocated[-1]["usage"]
+    assert disaggregated[-1]["usage"]["completion_tokens"] > 1
+    assert prefilled["usage"]["completion_tokens"] == 1  # the prefill leg computes the first token only
+    assert params["num_tokens"] == prefilled["usage"]["prompt_tokens"] == colocated[-1]["usage"]["prompt_tokens"]
+    # The article's check: kv_producer lines on prefill, kv_consumer lines on decode, one request id.
+    sent = [e for e in trio.prefill.events("kv_producer.sent") if e["transfer_id"] == transfer_id]
+    received = trio.decode.wait_event("kv_consumer.received")
+    claimed = [e for e in trio.decode.events("kv_consumer.claimed") if e["transfer_id"] == transfer_id]
+    assert len(sent) == 1 and sent[0]["request_id"] == request_id and sent[0]["bytes"] > 0
+    assert claimed and claimed[0]["request_id"] == request_id
+    assert any(e["transfer_id"] == transfer_id and e["bytes"] == sent[0]["bytes"] for e in trio.decode.events("kv_consumer.received")), received
+    # The decode engine did not prefill the prompt itself.
+    assert not [e for e in trio.decode.events("engine.prefill_done") if e["request_id"] == request_id]
+
+
+async def test_decode_health_shows_the_buffer_back_at_zero(trio: Trio) -> None:
+    """After claimed hand-offs the decode's KV receive buffer and pool are empty again."""
+    async with aiohttp.ClientSession() as session, session.get(f"{trio.decode.url}/health") as response:
+        body = await response.json()
+    assert response.status == 200
+    assert body["kv_buffer_used"] == 0 and body["kv_held_transfers"] == 0
+    assert body["kv_free_blocks"] == body["kv_total_blocks"]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 9])
+async def test_completions_endpoint_hands_off_too(engine_client, max_tokens: int) -> None:
+    """/v1/completions legs (non-streamed) give the colocated text, down to a decode leg of one token."""
+    colocated = await engine_client("both")
+    prefill = await engine_client("prefill", chunked_prefill=True, max_num_batched_tokens=8)  # the prompt spans steps
+    decode = await engine_client("decode")
+    body = {"model": "tiny", "prompt": "the KV cache moves from prefill to decode", "max_tokens": max_tokens, "temperature": 0}
+    expected = await (await colocated.client.post("/v1/completions", json=body)).json()
+
+    leg = body | {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "transfer_id": f"c-{max_tokens}",
+                                                          "decode_kv_addr": decode.kv_addr}}
+    prefilled = await (await prefill.client.post("/v1/completions", json=leg)).json()
+    got = await (await decode.client.post("/v1/completions", json=body | {"kv_transfer_params": prefilled["kv_transfer_params"]})).json()
+
+    assert got["choices"] == expected["choices"] and got["usage"] == expected["usage"]
+    for engine in (prefill, decode):
+        pool = engine.engine.scheduler.pool
+        assert pool.free_blocks == pool.total_blocks
+    assert decode.engine.handoff.consumer.buffer_used == 0
+

@@ -1,0 +1,119 @@
+"""Front-end behaviour around the APIs: request ids, what reaches the engine, usage chunks, health, metrics, logs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+
+from stack.common import sse
+from tests.unit.router_front.conftest import BACKEND_MODEL, KEY, MODEL, auth, chat_body, log_events
+
+
+async def test_request_id_is_accepted_forwarded_and_echoed(router, engine, logs) -> None:
+    """A client's X-Request-ID reaches the engine, comes back on the response and tags the router's log lines."""
+    response = await router.post("/v1/chat/completions", json=chat_body(), headers={**auth(), "X-Request-ID": "trace-42"})
+    assert response.status == 200 and response.headers["X-Request-ID"] == "trace-42"
+    assert engine.requests[-1]["request_id"] == "trace-42"
+    stream = await router.post("/v1/messages", json=chat_body(stream=True), headers={**auth(), "X-Request-ID": "trace-43"})
+    await stream.read()
+    assert stream.headers["X-Request-ID"] == "trace-43" and engine.requests[-1]["request_id"] == "trace-43"
+    done = [e for e in log_events(logs) if e["event"] == "router.request_done"]
+    assert [e["request_id"] for e in done] == ["trace-42", "trace-43"]
+
+
+async def test_engine_gets_the_backend_model_and_only_supported_fields(router, engine) -> None:
+    """The public model id is mapped to the engine's; ignored extras (tools, user) never reach the engine."""
+    body = chat_body(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="auto", user="u1", temperature=0.5)
+    response = await router.post("/v1/chat/completions", json=body, headers=auth())
+    answer = await response.json()
+    sent = engine.requests[-1]["body"]
+    assert sent["model"] == BACKEND_MODEL and answer["model"] == MODEL
+    assert sent["temperature"] == 0.5 and sent["max_tokens"] == 4
+    assert not {"tools", "tool_choice", "user"} & set(sent)
+
+
+async def test_usage_chunk_only_when_asked(router) -> None:
+    """A raw stream carries the empty-choices usage chunk only with include_usage, and always ends with [DONE]."""
+    async def frames(**extra):
+        response = await router.post("/v1/chat/completions", json=chat_body(stream=True, **extra), headers=auth())
+        return [data async for _, data in sse.read_events(response.content)]
+
+    plain = await frames()
+    assert plain[-1] == "[DONE]" and all(json.loads(d)["choices"] for d in plain[:-1])
+    with_usage = await frames(stream_options={"include_usage": True})
+    assert with_usage[-1] == "[DONE]"
+    last = json.loads(with_usage[-2])
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+
+
+async def test_anthropic_stream_has_the_event_sequence_and_no_done(router) -> None:
+    """/v1/messages streams message_start … message_stop with matching `event:` names and no [DONE]."""
+    response = await router.post("/v1/messages", json=chat_body(stream=True), headers=auth())
+    events = [(event, json.loads(data)) async for event, data in sse.read_events(response.content)]
+    names = [event for event, _ in events]
+    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(names[3:-3]) == {"content_block_delta"}
+    assert all(event == data["type"] for event, data in events)
+    assert events[-2][1]["usage"]["output_tokens"] == 4 and events[-2][1]["delta"]["stop_reason"] == "max_tokens"
+
+
+async def test_client_disconnect_frees_the_slot_and_is_logged(make_router, logs) -> None:
+    """A client that leaves mid-stream frees its concurrency slot and is logged as router.client_disconnected."""
+    router = await make_router(limits="max_concurrent = 1")
+    body = chat_body(stream=True, max_tokens=10, messages=[{"role": "user", "content": "SLOW"}])
+    response = await router.post("/v1/chat/completions", json=body, headers=auth())
+    await response.content.readline()
+    response.close()
+    for _ in range(100):  # the router notices on its next write, ~50 ms later (bounded: 2 s)
+        if any(e["event"] == "router.client_disconnected" for e in log_events(logs)):
+            break
+        await asyncio.sleep(0.02)
+    done = [e for e in log_events(logs) if e["event"] == "router.request_done"]
+    assert done and done[-1]["error"] == "client_disconnected"
+    assert (await router.post("/v1/chat/completions", json=chat_body(), headers=auth())).status == 200
+
+
+async def test_health_and_metrics(router) -> None:
+    """/health reports the router and its backends; /metrics counts requests by API and status."""
+    await router.post("/v1/chat/completions", json=chat_body(), headers=auth())
+    await router.post("/v1/messages", json={**chat_body(), "model": "nope"}, headers=auth())
+    health = await (await router.get("/health")).json()
+    assert health["status"] == "ok" and health["mode"] == "colocated" and health["backends"]
+    text = await (await router.get("/metrics")).text()
+    assert 'pd_router_requests_total{api="chat",status="200"} 1' in text
+    assert 'pd_router_requests_total{api="messages",status="404"} 1' in text
+
+
+async def test_in_band_errors_close_each_stream_in_its_own_shape(router) -> None:
+    """After a mid-stream engine failure: OpenAI gets an error frame then [DONE]; Anthropic an `event: error` and nothing after."""
+    broken = chat_body(stream=True, max_tokens=8, messages=[{"role": "user", "content": "BREAK"}])
+    chat = await router.post("/v1/chat/completions", json=broken, headers=auth())
+    frames = [data async for _, data in sse.read_events(chat.content)]
+    assert frames[-1] == "[DONE]" and json.loads(frames[-2])["error"]["type"] == "upstream_error"
+    messages = await router.post("/v1/messages", json=broken, headers=auth())
+    events = [(event, json.loads(data)) async for event, data in sse.read_events(messages.content)]
+    assert events[-1][0] == "error" and events[-1][1]["type"] == "error"
+    assert "message_stop" not in [event for event, _ in events]
+
+
+async def test_responses_stream_helper_reaches_completed_when_the_engine_stops(router) -> None:
+    """When the engine stops on its own (finish_reason stop), `client.responses.stream` gets response.completed."""
+    client = openai.AsyncOpenAI(base_url=str(router.make_url("/v1")), api_key=KEY, max_retries=0)
+    async with client.responses.stream(model=MODEL, input="hi", max_output_tokens=10) as stream:  # the stand-in stops at 10
+        deltas = [event.delta async for event in stream if event.type == "response.output_text.delta"]
+        final = await stream.get_final_response()
+    assert final.status == "completed" and final.output_text == "".join(deltas) and final.usage.output_tokens == 10
+
+
+async def test_rejected_requests_are_counted_in_metrics(make_router) -> None:
+    """401s and 429s show up in pd_router_requests_total, so operators see rejections, not only successes."""
+    router = await make_router(limits="rpm = 1")
+    await router.post("/v1/chat/completions", json=chat_body())
+    await router.post("/v1/chat/completions", json=chat_body(), headers=auth())
+    await router.post("/v1/chat/completions", json=chat_body(), headers=auth())
+    text = await (await router.get("/metrics")).text()
+    for status in (401, 200, 429):
+        assert f'pd_router_requests_total{{api="chat",status="{status}"}} 1' in text

@@ -1,0 +1,139 @@
+"""Bad input gets a precise 4xx in the API's own shape, and the router keeps serving afterwards."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.unit.router_front.conftest import KEY, MODEL, auth, chat_body
+from tests.unit.router_front.test_auth import APIS, error_of
+
+ANTHROPIC_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large"}
+
+
+async def _assert_error(router, api: str, payload: Any, status: int, code: str, words: str, param: str | None = None) -> None:
+    path = APIS[api][0]
+    kwargs = {"data": payload} if isinstance(payload, (str, bytes)) else {"json": payload}
+    response = await router.post(path, headers={**auth(), "Content-Type": "application/json"}, **kwargs)
+    assert response.status == status, await response.text()
+    error = error_of(api, await response.json())
+    assert words in error["message"]
+    if api == "messages":
+        assert error["type"] == ANTHROPIC_TYPES[status]
+    else:
+        assert error["code"] == code
+        if param is not None:
+            assert error["param"] == param
+    # ...and the router still answers a good request.
+    good = await router.post(path, json=APIS[api][1], headers=auth())
+    assert good.status == 200
+
+
+@pytest.mark.parametrize("api", APIS)
+async def test_malformed_json_is_a_400_naming_the_position(router, api: str) -> None:
+    """A body that is not JSON gets 400 invalid_json with the parser's line and column."""
+    await _assert_error(router, api, '{"model": "x", ', 400, "invalid_json", "not valid JSON")
+
+
+@pytest.mark.parametrize("api", APIS)
+async def test_non_object_body_is_a_400(router, api: str) -> None:
+    """A JSON array (or any non-object) body gets 400 saying an object is needed."""
+    await _assert_error(router, api, "[1, 2]", 400, "invalid_json", "must be a JSON object, got a JSON array")
+
+
+@pytest.mark.parametrize("api", APIS)
+async def test_huge_body_is_a_413(router, api: str) -> None:
+    """A body over max_body_bytes (64 KiB in the test settings) gets 413 naming the limit."""
+    body = {**APIS[api][1], "padding": "x" * 70_000}
+    await _assert_error(router, api, json.dumps(body), 413, "request_too_large", "65536")
+
+
+@pytest.mark.parametrize("api", APIS)
+async def test_unknown_model_is_a_404_naming_the_served_model(router, api: str) -> None:
+    """An unknown model gets 404 model_not_found that says which model this router serves."""
+    body = {**APIS[api][1], "model": "gpt-imaginary"}
+    await _assert_error(router, api, body, 404, "model_not_found", f"'gpt-imaginary' does not exist on this router; it serves '{MODEL}'", "model")
+
+
+WRONG_TYPES = [
+    ("chat", {"max_tokens": "ten"}, "invalid_type", "max_tokens", "expected an integer, got a string"),
+    ("chat", {"messages": "hello"}, "invalid_type", "messages", "expected an array"),
+    ("chat", {"stream": "yes"}, "invalid_type", "stream", "expected true or false"),
+    ("chat", {"temperature": 7}, "invalid_value", "temperature", "between 0 and 2"),
+    ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "invalid_value", "messages[0].role", "expected one of"),
+    ("chat", {"model": None}, "missing_required_parameter", "model", "Missing required parameter"),
+    ("completions", {"prompt": 42}, "unsupported_parameter", "prompt", "must be one string"),
+    ("completions", {"max_tokens": 0}, "invalid_value", "max_tokens", "must be >= 1"),
+    ("responses", {"input": 5}, "invalid_type", "input", "expected a string or a non-empty array"),
+    ("responses", {"max_output_tokens": 1.5}, "invalid_type", "max_output_tokens", "expected an integer"),
+    ("messages", {"max_tokens": None}, "missing_required_parameter", "max_tokens", "Missing required parameter: 'max_tokens'"),
+    ("messages", {"messages": [{"role": "system", "content": "x"}]}, "invalid_value", "messages[0].role", "expected 'user' or 'assistant'"),
+]
+
+
+@pytest.mark.parametrize(("api", "change", "code", "param", "words"), WRONG_TYPES)
+async def test_wrong_types_and_values_are_a_400_naming_the_field(router, api, change, code, param, words) -> None:
+    """A field of the wrong type or out of range gets 400 that names the field and what was expected."""
+    body = {k: v for k, v in {**APIS[api][1], **change}.items() if v is not None}
+    await _assert_error(router, api, body, 400, code, words, param)
+
+
+UNSUPPORTED = [
+    ("chat", {"n": 2}, "n", "must be 1"),
+    ("chat", {"logprobs": True}, "logprobs", "not supported"),
+    ("chat", {"tool_choice": "required"}, "tool_choice", "never calls tools"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]", "only text parts"),
+    ("chat", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role", "no tool calling"),
+    ("completions", {"echo": True}, "echo", "not supported"),
+    ("responses", {"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+    ("responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0]", "only input_text and output_text"),
+    ("messages", {"tool_choice": {"type": "any"}}, "tool_choice", "never calls tools"),
+    ("messages", {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages[0].content[0]", "only text and tool_result"),
+]
+
+
+@pytest.mark.parametrize(("api", "change", "param", "words"), UNSUPPORTED)
+async def test_unsupported_parameters_are_a_400_not_silently_ignored(router, api, change, param, words) -> None:
+    """A parameter this deployment cannot honour gets 400 unsupported_* naming it."""
+    response = await router.post(APIS[api][0], json={**APIS[api][1], **change}, headers=auth())
+    assert response.status == 400
+    error = error_of(api, await response.json())
+    assert words in error["message"]
+    if api != "messages":
+        assert error["param"] == param and error["code"].startswith("unsupported")
+
+
+async def test_unknown_chat_parameter_is_named(router) -> None:
+    """OpenAI rejects unknown arguments; so does the router, naming the argument."""
+    response = await router.post("/v1/chat/completions", json=chat_body(frobnicate=1), headers=auth())
+    error = (await response.json())["error"]
+    assert response.status == 400 and error["code"] == "unknown_parameter" and error["param"] == "frobnicate"
+
+
+async def test_claude_code_extras_are_accepted(router) -> None:
+    """Fields Claude Code always sends (tools, metadata, thinking, system blocks) do not break /v1/messages."""
+    body = {"model": MODEL, "max_tokens": 4, "system": [{"type": "text", "text": "be brief"}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                         {"role": "assistant", "content": [{"type": "text", "text": "ok"}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "done"}]}],
+            "tools": [{"name": "Bash", "input_schema": {"type": "object"}}], "metadata": {"user_id": "u"},
+            "thinking": {"type": "disabled"}, "tool_choice": {"type": "auto"}}
+    response = await router.post("/v1/messages", json=body, headers={"x-api-key": KEY,
+                                                                     "anthropic-version": "2023-06-01",
+                                                                     "anthropic-beta": "prompt-caching-2024-07-31"})
+    assert response.status == 200, await response.text()
+
+
+async def test_unknown_route_and_wrong_method_answer_in_shape(router) -> None:
+    """An unknown path is a 404 and a wrong method a 405, both JSON errors (never a plain-text page)."""
+    missing = await router.get("/v1/nothing-here", headers=auth())
+    assert missing.status == 404 and "error" in await missing.json()
+    wrong = await router.get("/v1/messages", headers=auth())
+    body = await wrong.json()
+    assert wrong.status == 405 and body["type"] == "error"

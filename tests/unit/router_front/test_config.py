@@ -1,0 +1,103 @@
+"""settings.toml: the article's schema loads, env overrides apply, keys in files and bad values stop start-up in one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stack.common.config import ConfigError
+from stack.router import config as router_config
+from stack.router.app import create_app
+
+REPO = Path(__file__).resolve().parents[3]
+SHIPPED = REPO / "stack" / "router" / "settings.toml"
+
+
+def _settings(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "settings.toml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_settings_load_with_compose_endpoints() -> None:
+    """The shipped settings.toml is the article's schema pointed at the compose services."""
+    config = router_config.load(SHIPPED, env={})
+    assert config.server.port == 8080 and config.taotoken.api_key_env == "TAOTOKEN_API_KEY"
+    assert config.taotoken.model_id == "your-model-id"
+    assert config.prefill.urls == ("http://prefill:8000",) and config.decode.urls == ("http://decode:8000",)
+    assert config.decode.kv_addrs == ("decode:9100",) and config.scheduler.policy == "load_aware"
+
+
+def test_env_overrides_endpoints_and_kv_port() -> None:
+    """PREFILL_ENDPOINT, DECODE_ENDPOINT (comma-separated for xPyD) and KV_TRANSFER_PORT override the file."""
+    env = {"PREFILL_ENDPOINT": "http://10.0.0.11:8000", "DECODE_ENDPOINT": "http://10.0.0.12:8000,http://10.0.0.13:8000",
+           "KV_TRANSFER_PORT": "9200"}
+    config = router_config.load(SHIPPED, env=env)
+    assert config.prefill.urls == ("http://10.0.0.11:8000",)
+    assert config.decode.urls == ("http://10.0.0.12:8000", "http://10.0.0.13:8000")
+    assert config.decode.kv_addrs == ("10.0.0.12:9200", "10.0.0.13:9200")
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ('[taotoken]\napi_key = "sk-live-0123456789abcdef"\n', "taotoken.api_key"),
+    ('[taotoken]\nmodel_id = "sk-proj-abcdefghijk"\n', "taotoken.model_id"),
+    ('[server]\nhost = "Bearer abcdef"\n', "server.host"),
+    ('[limits]\nsecret = "hunter2"\n', "limits.secret"),
+    ('[taotoken]\nbase_url = "0123456789abcdef0123456789abcdef0123"\n', "taotoken.base_url"),
+])
+def test_key_looking_values_stop_start_up(tmp_path: Path, text: str, key: str) -> None:
+    """A key (or a value named like one) in settings.toml is refused with a message pointing at the env var."""
+    path = _settings(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        router_config.load(path, env={})
+    assert caught.value.key == key
+    assert "TAOTOKEN_API_KEY" in str(caught.value) and "environment variable" in str(caught.value)
+    assert "hunter2" not in str(caught.value) and "0123456789abcdef" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('[server]\nport = "80x"\n', "settings.toml: server.port: expected an integer"),
+    ('[limits]\nrpm = -1\n', "settings.toml: limits.rpm: must be >= 0"),
+    ('[scheduler]\npolicy = "random"\n', "settings.toml: scheduler.policy: must be one of"),
+    ('[taotoken]\napi_key_env = "my key"\n', "settings.toml: taotoken.api_key_env: must be the NAME"),
+    ('[limits]\nrqm = 5\n', "settings.toml: limits.rqm: unknown key"),
+])
+def test_invalid_values_name_file_key_and_problem(tmp_path: Path, text: str, message: str) -> None:
+    """A bad value gives one line: file, dotted key, problem."""
+    path = _settings(tmp_path, text + '[prefill]\nendpoint = "http://p:8000"\n[decode]\nendpoint = "http://d:8000"\n')
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        router_config.load(path, env={})
+
+
+def test_keys_file_refuses_literal_keys(tmp_path: Path) -> None:
+    """The keys file names env vars; a literal key in it is refused like in settings.toml."""
+    (tmp_path / "keys.toml").write_text('[[keys]]\nname = "bob"\nenv = "BOB_KEY"\nkey = "sk-bob-0123456789"\n')
+    path = _settings(tmp_path, '[auth]\nkeys_file = "keys.toml"\n[prefill]\nendpoint = "http://p:8000"\n[decode]\nendpoint = "http://p:8000"\n')
+    config = router_config.load(path, env={})
+    with pytest.raises(ConfigError, match=r"keys\[0\]\.key: looks like an API key"):
+        router_config.load_keys_file(config)
+
+
+def test_main_exits_2_with_one_line_on_bad_config(tmp_path: Path) -> None:
+    """`python -m stack.router` with a bad settings file prints one line naming file and key, and exits 2."""
+    path = _settings(tmp_path, '[taotoken]\napi_key = "sk-live-0123456789abcdef"\n')
+    result = subprocess.run([sys.executable, "-m", "stack.router", "--config", str(path)], capture_output=True, text=True,
+                            timeout=60, cwd=REPO)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{path}: taotoken.api_key: looks like an API key" in lines[0]
+    assert "0123456789abcdef" not in result.stdout + result.stderr
+
+
+def test_unwritable_usage_db_is_a_config_error(tmp_path: Path) -> None:
+    """A usage db the router cannot open stops start-up naming usage.db_path, not with a traceback."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    path = _settings(tmp_path, f'[usage]\ndb_path = "{blocker}/usage.sqlite3"\n'
+                               '[prefill]\nendpoint = "http://p:8000"\n[decode]\nendpoint = "http://p:8000"\n')
+    config = router_config.load(path, env={})
+    with pytest.raises(ConfigError, match=r"settings.toml: usage.db_path: cannot open"):
+        create_app(config, env={})

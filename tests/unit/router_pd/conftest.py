@@ -1,0 +1,207 @@
+"""Fixtures for the router's PD tests: fake engines (faults), real engine processes, PDClient builders."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import aiohttp
+import pytest
+
+from stack.common.health import SERVING, probe_async
+from stack.common.logging import setup_logging
+from stack.router.backends import PoolConfig
+from stack.router.metrics import Metrics
+from stack.router.pd import PDClient
+from stack.router.scheduler import SchedulerConfig
+from tests.unit.router_pd.fake_engine import FakeEngine
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+class LogCapture:
+    """JSON log lines written during a test (a text sink for setup_logging)."""
+
+    def __init__(self) -> None:
+        self.lines: list[dict[str, Any]] = []
+
+    def write(self, text: str) -> None:
+        self.lines.extend(json.loads(line) for line in text.splitlines() if line.strip())
+
+    def flush(self) -> None:
+        pass
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [line for line in self.lines if line["event"] == name]
+
+
+@pytest.fixture
+def logs() -> LogCapture:
+    capture = LogCapture()
+    setup_logging("router", sink=capture)  # type: ignore[arg-type]
+    return capture
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[Callable[..., Any]]:
+    started: list[FakeEngine] = []
+
+    async def start(role: str, **kwargs: Any) -> FakeEngine:
+        engine = await FakeEngine(role, **kwargs).start()
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        await engine.stop()
+
+
+def pool(engines: Sequence[Any], max_concurrent: int = 8) -> PoolConfig:
+    """A PoolConfig over started engines (anything with url, health_addr and optionally kv_addr)."""
+    return PoolConfig(endpoints=tuple(e.url for e in engines), max_concurrent=max_concurrent,
+                      health_addrs=tuple(e.health_addr for e in engines),
+                      kv_addrs=tuple(getattr(e, "kv_addr", "127.0.0.1:1") for e in engines))
+
+
+@pytest.fixture
+async def pd(session: aiohttp.ClientSession) -> AsyncIterator[Callable[..., Any]]:
+    """Build and start a PDClient: await pd(prefills, decodes, max_concurrent=…, **scheduler settings)."""
+    clients: list[PDClient] = []
+
+    async def build(prefills: Sequence[Any], decodes: Sequence[Any], max_concurrent: int = 8, **settings: Any) -> PDClient:
+        settings.setdefault("health_interval_ms", 200)
+        client = PDClient(pool(prefills, max_concurrent), pool(decodes, max_concurrent), SchedulerConfig(**settings), session, Metrics())
+        await client.start()
+        clients.append(client)
+        return client
+
+    yield build
+    for client in clients:
+        await client.close()
+
+
+def relay_app(client: PDClient) -> Any:
+    """The smallest OpenAI front over a PDClient (what api/openai.py does): SSE out, in-band error once started."""
+    from contextlib import aclosing
+
+    from aiohttp import web
+
+    from stack.common.errors import APIError, error_middleware, openai_error_body, request_id_middleware
+    from stack.common.sse import open_stream, send_done, send_event
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):
+            return web.json_response(await client.complete(request["request_id"], request.path, body))
+        stream = None
+        async with aclosing(client.stream(request["request_id"], request.path, body)) as chunks:
+            try:
+                async for chunk in chunks:
+                    stream = stream or await open_stream(request)
+                    await send_event(stream, chunk)
+            except APIError as err:
+                if stream is None:
+                    raise
+                await send_event(stream, openai_error_body(err))
+                await stream.write_eof()
+                return stream
+        assert stream is not None, "stream ended without chunks"
+        await send_done(stream)
+        return stream
+
+    app = web.Application(middlewares=[request_id_middleware, error_middleware()])
+    app.router.add_post("/v1/chat/completions", handle)
+    app.router.add_post("/v1/completions", handle)
+    return app
+
+
+class EngineProcess:
+    """A real `python -m stack.engine` process on loopback, logging JSON lines to a file."""
+
+    def __init__(self, role: str, tmp_path: Any, checkpoint: str = "dummy:tiny") -> None:
+        self.role = role
+        self.checkpoint = checkpoint
+        self.port, self.health_port, self.kv_port = free_port(), free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.health_addr = f"127.0.0.1:{self.health_port}"
+        self.kv_addr = f"127.0.0.1:{self.kv_port}"
+        self.log_path = tmp_path / f"{role}-{self.port}.log"
+        source = "decode" if role == "both" else role
+        config = json.loads((REPO / "stack" / source / "config.json").read_text())
+        config["role"] = role
+        if role == "both":
+            config["kv_transfer_config"].pop("kv_role", None)
+        self.config_path = tmp_path / f"{role}-{self.port}.json"
+        self.config_path.write_text(json.dumps(config))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> EngineProcess:
+        cmd = [sys.executable, "-m", "stack.engine", "--config", str(self.config_path), "--host", "127.0.0.1", "--port", str(self.port),
+               "--health-port", str(self.health_port), "--kv-port", str(self.kv_port), "--checkpoint", self.checkpoint]
+        self.proc = subprocess.Popen(cmd, stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT, cwd=REPO)
+        return self
+
+    async def ready(self, timeout_s: float = 60.0) -> None:
+        """Wait for gRPC health SERVING (upper bound: model build + warm-up on a busy 2-core box)."""
+        deadline = time.monotonic() + timeout_s
+        while await probe_async(self.health_addr, 1.0) != SERVING:
+            assert self.proc is not None and self.proc.poll() is None, f"{self.role} engine exited: {self.log_path.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, f"{self.role} engine not SERVING after {timeout_s}s"
+            await asyncio.sleep(0.2)
+
+    def kill(self) -> None:
+        assert self.proc is not None, "not started"
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        lines = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+        return [line for line in lines if line.get("event") == name]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+async def engines(tmp_path: Any) -> AsyncIterator[Callable[..., Any]]:
+    """Start real engines: `p, d = await engines("prefill", "decode")` (in parallel; stopped after the test).
+
+    dummy:tiny by default; `checkpoint="dummy:small"` where a generation must last long enough to be interrupted.
+    """
+    started: list[EngineProcess] = []
+
+    async def start(*roles: str, checkpoint: str = "dummy:tiny") -> list[EngineProcess]:
+        batch = [EngineProcess(role, tmp_path, checkpoint).start() for role in roles]
+        started.extend(batch)
+        await asyncio.gather(*(engine.ready() for engine in batch))
+        return batch
+
+    yield start
+    for engine in started:
+        engine.stop()

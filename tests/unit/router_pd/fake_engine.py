@@ -1,0 +1,166 @@
+"""An in-process engine speaking the PD wire format, with faults on cue.
+
+Real engine processes carry the PD path in these tests; this fake exists only for what a real
+engine cannot be made to do at a precise moment (die after the 2nd chunk, stall, answer 500,
+end a stream without [DONE]) and to reproduce vLLM NixlConnector's prefill answer, which cannot
+run here (no GPU). Its `seen` list records every body it received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from stack.common.health import HealthServer, start_health_server
+from stack.common.sse import frame, send_done
+
+# vLLM's real prefill answer shape. Source: vllm-project/vllm@0f120751344c09af442c1800020908d2b7ff71f2
+# vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py, NixlConnectorScheduler.request_finished:
+#   return delay_free_blocks, dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=block_ids,
+#       remote_engine_id=self.engine_id, remote_request_id=request.request_id, remote_host=self.side_channel_host,
+#       remote_port=self.side_channel_port, tp_size=self.vllm_config.parallel_config.tensor_parallel_size)
+# surfaced as the top-level `kv_transfer_params` of the non-streamed ChatCompletionResponse/CompletionResponse
+# (vllm/entrypoints/openai/protocol.py: `kv_transfer_params: dict[str, Any] | None = Field(default=None,
+# description="KVTransfer parameters used for disaggregated serving.")`). No transfer_id: the router must not need one.
+VLLM_NIXL_PREFILL_PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [[0, 1, 2]],
+    "remote_engine_id": "5f0a1a0e-6c1b-4b8e-9e44-0d9b1f3c2a77",
+    "remote_request_id": "chatcmpl-0b7c9a3f2d1e4f56a8b9c0d1e2f3a4b5",
+    "remote_host": "10.0.0.11",
+    "remote_port": 5600,
+    "tp_size": 1,
+}
+
+
+@dataclass
+class Faults:
+    """What the fake does wrong, per leg (counts down: `http_500=1` fails only the first request)."""
+
+    http_500: int = 0  # answer HTTP 500 with an OpenAI error body
+    http_400: int = 0  # reject the request as invalid (HTTP 400, OpenAI error body)
+    drop_before_answer: int = 0  # close the connection without answering
+    die_after_chunks: int | None = None  # close the connection after this many token chunks
+    stall_after_chunks: int | None = None  # stop sending (connection open) after this many chunks
+    no_done: bool = False  # end the stream cleanly but without finish_reason or [DONE]
+    delay_s: float = 0.0  # wait before answering (keeps slots busy)
+
+
+@dataclass
+class FakeEngine:
+    role: str  # prefill | decode | both
+    tokens: int = 4
+    nixl: bool = False  # prefill answers like vLLM NixlConnector instead of our engine
+    faults: Faults = field(default_factory=Faults)
+    seen: list[dict[str, Any]] = field(default_factory=list)
+    disconnects: int = 0
+    url: str = ""
+    health_addr: str = ""
+    _runner: web.AppRunner | None = None
+    _health: HealthServer | None = None
+
+    async def start(self) -> FakeEngine:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._handle)
+        app.router.add_post("/v1/completions", self._handle)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        self._health = await start_health_server(0, "127.0.0.1")
+        await self._health.set_serving()
+        self.health_addr = f"127.0.0.1:{self._health.port}"
+        return self
+
+    async def stop(self) -> None:
+        if self._health is not None:
+            await self._health.stop(0)
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def set_health(self, serving: bool) -> None:
+        assert self._health is not None, "start() first"
+        await (self._health.set_serving() if serving else self._health.set_not_serving())
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append({"headers": dict(request.headers), **body})
+        faults = self.faults
+        if faults.delay_s:
+            await asyncio.sleep(faults.delay_s)
+        if faults.drop_before_answer:
+            faults.drop_before_answer -= 1
+            assert request.transport is not None, "request without transport"
+            request.transport.close()
+            await asyncio.sleep(1)
+        if faults.http_400:
+            faults.http_400 -= 1
+            return web.json_response({"error": {"message": "'n' > 1 is not supported", "type": "invalid_request_error"}}, status=400)
+        if faults.http_500:
+            faults.http_500 -= 1
+            return web.json_response({"error": {"message": "CUDA out of memory (fake)", "type": "server_error"}}, status=500)
+        params = body.get("kv_transfer_params") or {}
+        if params.get("do_remote_decode"):
+            return self._prefill_answer(body, params)
+        if not body.get("stream"):
+            return web.json_response(self._answer(body, "x" * self.tokens, self.tokens))
+        return await self._stream(request, body)
+
+    def _prefill_answer(self, body: dict[str, Any], params: dict[str, Any]) -> web.Response:
+        answer = self._answer(body, "x", 1)
+        if self.nixl:
+            answer["kv_transfer_params"] = dict(VLLM_NIXL_PREFILL_PARAMS)
+        else:
+            answer["kv_transfer_params"] = {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": params["transfer_id"],
+                                            "num_tokens": 3, "remote_host": "127.0.0.1", "remote_port": 1}
+        return web.json_response(answer)
+
+    def _answer(self, body: dict[str, Any], text: str, tokens: int) -> dict[str, Any]:
+        chat = "messages" in body
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
+        return {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion", "created": 1, "model": "fake-model",
+                "choices": [{**choice, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens}, "kv_transfer_params": None}
+
+    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        faults = self.faults
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1, "model": "fake-model"}
+        try:
+            for i in range(self.tokens):
+                if faults.die_after_chunks is not None and i == faults.die_after_chunks:
+                    assert request.transport is not None, "request without transport"
+                    request.transport.close()
+                    return response
+                if faults.stall_after_chunks is not None and i == faults.stall_after_chunks:
+                    await asyncio.sleep(3600)
+                last = i == self.tokens - 1 and not faults.no_done
+                choice = {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": "length" if last else None}
+                await response.write(frame({**base, "choices": [choice]}))
+                await asyncio.sleep(0.01)
+            if faults.no_done:
+                await response.write_eof()
+                return response
+            if (body.get("stream_options") or {}).get("include_usage"):
+                await response.write(frame({**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": self.tokens,
+                                                                               "total_tokens": 3 + self.tokens}}))
+            await send_done(response)
+        except (asyncio.CancelledError, ConnectionError):
+            self.disconnects += 1
+            raise
+        return response
+
+
+def chunk_text(chunks: list[dict[str, Any]]) -> str:
+    return "".join((c["choices"][0].get("delta") or {}).get("content") or c["choices"][0].get("text") or "" for c in chunks if c.get("choices"))

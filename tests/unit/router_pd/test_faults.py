@@ -1,0 +1,211 @@
+"""Faults that need precise timing, against fake engines (fake_engine.py says why): every request ends
+with a complete answer or an explicit error, never a hang or a silent truncation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from stack.common import events
+from stack.common.errors import InvalidRequest, Overloaded, RateLimited, UpstreamError, UpstreamTimeout
+from tests.unit.router_pd.conftest import relay_app
+from tests.unit.router_pd.fake_engine import VLLM_NIXL_PREFILL_PARAMS, Faults, chunk_text
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+
+
+async def collect(client, request_id="r1", body=CHAT):
+    return [chunk async for chunk in client.stream(request_id, "/v1/chat/completions", dict(body))]
+
+
+async def test_vllm_nixl_params_pass_to_decode_unchanged(fake, pd, logs):
+    """vLLM NixlConnector's prefill answer (fixture cited from vLLM's source) reaches decode byte-for-byte unchanged."""
+    prefill = await fake("prefill", nixl=True)
+    decode = await fake("decode")
+    client = await pd([prefill], [decode])
+    await collect(client)
+    leg = prefill.seen[0]
+    assert leg["max_tokens"] == 1 and leg["stream"] is False and "stream_options" not in leg
+    assert leg["kv_transfer_params"]["do_remote_decode"] is True and leg["kv_transfer_params"]["remote_engine_id"] is None
+    assert decode.seen[0]["kv_transfer_params"] == VLLM_NIXL_PREFILL_PARAMS
+    assert decode.seen[0]["headers"]["X-Request-ID"] == leg["headers"]["X-Request-ID"] == "r1"
+
+
+async def test_prefill_error_retries_on_the_other_prefill(fake, pd, logs):
+    """A prefill that drops the connection before answering is retried on another prefill; the client sees success."""
+    broken = await fake("prefill", faults=Faults(drop_before_answer=1))
+    healthy = await fake("prefill")
+    decode = await fake("decode")
+    client = await pd([broken, healthy], [decode], policy="round_robin")
+    chunks = await collect(client)
+    assert chunk_text(chunks) == "t0 t1 t2 t3 "
+    failed = logs.events(events.ROUTER_PREFILL_FAILED)
+    assert [f["prefill"] for f in failed] == [broken.url] and failed[0]["retried"] is True and failed[0]["request_id"] == "r1"
+    assert len(healthy.seen) == 1
+    # Each prefill attempt has its own transfer id; decode got the successful one.
+    assert decode.seen[0]["kv_transfer_params"]["transfer_id"] == healthy.seen[0]["kv_transfer_params"]["transfer_id"]
+
+
+async def test_decode_500_before_first_chunk_retries_with_a_new_pair(fake, pd, logs):
+    """A decode failing before its first chunk is retried on another decode with a fresh prefill leg."""
+    prefill = await fake("prefill")
+    bad = await fake("decode", faults=Faults(http_500=1))
+    good = await fake("decode")
+    client = await pd([prefill], [bad, good], policy="round_robin")
+    chunks = await collect(client)
+    assert chunk_text(chunks) == "t0 t1 t2 t3 "
+    transfer_ids = [leg["kv_transfer_params"]["transfer_id"] for leg in prefill.seen]
+    assert len(transfer_ids) == 2 and transfer_ids[0] != transfer_ids[1]
+    assert [leg["kv_transfer_params"]["transfer_id"] for leg in bad.seen + good.seen] == transfer_ids
+    failed = logs.events(events.ROUTER_DECODE_FAILED)
+    assert failed[0]["mid_stream"] is False and failed[0]["retried"] is True
+    assert "CUDA out of memory (fake)" in logs.events(events.ROUTER_UPSTREAM_ERROR)[0]["body"]
+
+
+async def test_engine_400_is_passed_on_without_retry(fake, pd, logs):
+    """An engine's 4xx keeps its status and message and is retried nowhere (the request itself is bad)."""
+    prefill = await fake("prefill", faults=Faults(http_400=5))
+    other = await fake("prefill")
+    decode = await fake("decode")
+    client = await pd([prefill, other], [decode], policy="round_robin")
+    with pytest.raises(InvalidRequest, match="'n' > 1 is not supported") as caught:
+        await client.complete("r400", "/v1/chat/completions", dict(CHAT))
+    assert caught.value.status == 400
+    assert (len(prefill.seen), len(other.seen), len(decode.seen)) == (1, 0, 0)
+    assert logs.events(events.ROUTER_UPSTREAM_ERROR)[0]["status"] == 400
+    assert prefill.url in [b["url"] for b in client.health_snapshot()["backends"] if b["breaker"] == "closed"]
+
+
+async def test_decode_dying_mid_stream_is_an_error_after_the_first_chunk(fake, pd, logs):
+    """A decode dying after 2 chunks: the caller got those chunks, then an UpstreamError (not a short success)."""
+    prefill = await fake("prefill")
+    decode = await fake("decode", tokens=6, faults=Faults(die_after_chunks=2))
+    client = await pd([prefill], [decode])
+    got = []
+    with pytest.raises(UpstreamError, match="broke the connection"):
+        async for chunk in client.stream("rmid", "/v1/chat/completions", dict(CHAT)):
+            got.append(chunk)
+    assert chunk_text(got) == "t0 t1 "
+    failed = logs.events(events.ROUTER_DECODE_FAILED)
+    assert failed[-1]["mid_stream"] is True and failed[-1]["request_id"] == "rmid"
+    assert client.backends[1].in_flight == 0  # the slot came back
+
+
+async def test_stream_without_done_is_an_error_not_success(fake, pd):
+    """A decode stream that ends without finish_reason/[DONE] raises instead of passing as complete."""
+    client = await pd([await fake("prefill")], [await fake("decode", faults=Faults(no_done=True))])
+    with pytest.raises(UpstreamError, match="ended early"):
+        await collect(client)
+
+
+async def test_stalled_decode_hits_the_idle_timeout(fake, pd):
+    """A decode that stops sending mid-stream is cut off after idle_timeout_ms with a timeout error."""
+    client = await pd([await fake("prefill")], [await fake("decode", faults=Faults(stall_after_chunks=1))], idle_timeout_ms=300)
+    started = time.monotonic()
+    with pytest.raises(UpstreamTimeout):
+        await collect(client)
+    # Lower bound: the idle timeout really waited; upper bound (5 s) catches a hang.
+    assert 0.25 <= time.monotonic() - started < 5.0
+
+
+async def test_single_prefill_failing_gives_a_clean_5xx(fake, pd, logs):
+    """With one prefill that fails, the client gets a clean 502 (retries only go to other prefills), and decode is never called."""
+    prefill = await fake("prefill", faults=Faults(http_500=10))
+    decode = await fake("decode")
+    client = await pd([prefill], [decode], max_retries=2)
+    with pytest.raises(UpstreamError, match=r"prefill engine failed \(HTTP 500\): CUDA out of memory"):
+        await client.complete("r5", "/v1/chat/completions", dict(CHAT))
+    assert len(prefill.seen) == 1 and decode.seen == []
+    assert all(b.in_flight == 0 for b in client.backends)
+
+
+async def test_full_queue_gets_429_then_503_with_retry_after(fake, pd):
+    """All slots busy: up to queue_size requests wait, the next gets 429; a waiter past queue_timeout_ms gets 503."""
+    client = await pd([await fake("prefill")], [await fake("decode", faults=Faults(delay_s=1.0))], max_concurrent=1,
+                      queue_size=1, queue_timeout_ms=300)
+    busy = asyncio.create_task(client.complete("a", "/v1/chat/completions", dict(CHAT)))
+    await asyncio.sleep(0.1)
+    queued = asyncio.create_task(client.complete("b", "/v1/chat/completions", dict(CHAT)))
+    await asyncio.sleep(0.05)
+    with pytest.raises(RateLimited) as full:
+        await client.complete("c", "/v1/chat/completions", dict(CHAT))
+    assert full.value.status == 429 and full.value.headers["Retry-After"] == "1"
+    with pytest.raises(Overloaded) as timed_out:
+        await queued
+    assert timed_out.value.status == 503 and "Retry-After" in timed_out.value.headers
+    assert (await busy)["choices"][0]["message"]["content"] == "xxxx"
+
+
+async def test_breaker_opens_then_recovers(fake, pd, logs):
+    """Repeated decode failures open its circuit (503 naming decode, no upstream call); after the cool-down a success closes it."""
+    prefill = await fake("prefill")
+    decode = await fake("decode", faults=Faults(http_500=2))
+    client = await pd([prefill], [decode], breaker_failures=2, breaker_cooldown_ms=300, max_retries=0)
+    for _ in range(2):
+        with pytest.raises(UpstreamError):
+            await client.complete("rb", "/v1/chat/completions", dict(CHAT))
+    calls = len(decode.seen)
+    with pytest.raises(Overloaded, match="no decode backend is available .*circuit open"):
+        await client.complete("rb", "/v1/chat/completions", dict(CHAT))
+    assert len(decode.seen) == calls  # rejected without touching the engine
+    await asyncio.sleep(0.35)
+    assert (await client.complete("rb", "/v1/chat/completions", dict(CHAT)))["usage"]["completion_tokens"] == 4
+    states = [e["state"] for e in logs.events(events.BACKEND_CIRCUIT)]
+    assert states == ["open", "half_open", "closed"]
+
+
+async def test_health_monitor_takes_a_backend_out_and_back(fake, pd, logs):
+    """A decode whose gRPC health turns NOT_SERVING gets no requests until it is SERVING again."""
+    prefill = await fake("prefill")
+    first, second = await fake("decode"), await fake("decode")
+    client = await pd([prefill], [first, second], health_interval_ms=50)
+    await first.set_health(False)
+    await asyncio.sleep(0.3)
+    for i in range(3):
+        await client.complete(f"h{i}", "/v1/chat/completions", dict(CHAT))
+    assert len(first.seen) == 0 and len(second.seen) == 3
+    await first.set_health(True)
+    await asyncio.sleep(0.3)
+    assert client.health_snapshot()["backends"][1]["state"] == "up"
+    down = [e for e in logs.events(events.BACKEND_HEALTH) if e["backend"] == first.url]
+    assert [e["state"] for e in down] == ["down", "up"]
+
+
+async def test_in_band_error_and_closed_stream_through_an_app(fake, pd, aiohttp_client):
+    """Through an HTTP front: a mid-stream decode death reaches the client as an in-band error event, then the stream closes."""
+    client = await pd([await fake("prefill")], [await fake("decode", tokens=6, faults=Faults(die_after_chunks=2))])
+    http = await aiohttp_client(relay_app(client))
+    response = await http.post("/v1/chat/completions", json={**CHAT, "stream": True})
+    assert response.status == 200
+    text = await asyncio.wait_for(response.text(), 5)
+    frames = [f for f in text.split("\n\n") if f]
+    assert len(frames) == 3 and '"error"' in frames[-1] and "[DONE]" not in text
+
+
+async def test_metrics_show_latencies_counters_and_backend_state(fake, pd):
+    """After a streamed PD request, /metrics text has TTFT/ITL/prefill histograms, per-backend counters and health gauges."""
+    prefill, decode = await fake("prefill"), await fake("decode")
+    client = await pd([prefill], [decode])
+    await collect(client)
+    client.metrics.observe_request("chat", 200, 0.05)
+    text, content_type = client.metrics.render()
+    assert content_type.startswith("text/plain; version=0.0.4")
+    assert 'pd_router_ttft_seconds_count{mode="disaggregated"} 1' in text
+    assert "pd_router_itl_seconds_count 3" in text  # 4 token chunks → 3 gaps
+    assert "pd_router_prefill_seconds_count 1" in text and "pd_router_kv_handoff_seconds_count 1" in text
+    assert f'pd_router_backend_requests_total{{backend="{decode.url}",outcome="ok",role="decode"}} 1' in text
+    assert f'pd_router_backend_up{{backend="{prefill.url}",role="prefill"}} 1' in text
+    assert 'pd_router_requests_total{api="chat",status="200"} 1' in text and "pd_router_queue_depth 0" in text
+
+
+async def test_decode_silent_before_first_chunk_times_out(fake, pd):
+    """A decode that never starts streaming fails after kv_transfer_timeout_ms + first_token_timeout_ms, not never."""
+    client = await pd([await fake("prefill")], [await fake("decode", faults=Faults(delay_s=30))],
+                      kv_transfer_timeout_ms=100, first_token_timeout_ms=200, max_retries=0)
+    started = time.monotonic()
+    with pytest.raises(UpstreamTimeout, match="before the first chunk"):
+        await collect(client)
+    # Lower bound: the whole first-chunk budget (0.3 s) was granted; upper bound (5 s) catches a hang.
+    assert 0.28 <= time.monotonic() - started < 5.0

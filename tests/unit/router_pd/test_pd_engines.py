@@ -1,0 +1,140 @@
+"""The PD flow over real engine processes on loopback: KV really moves from prefill to decode."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from stack.common import events
+from stack.common.errors import InvalidRequest, Overloaded, UpstreamError
+from tests.unit.router_pd.conftest import relay_app
+from tests.unit.router_pd.fake_engine import chunk_text
+
+MODEL = "your-model-id"
+
+
+def chat(content: str = "Explain prefill and decode.", max_tokens: int = 12, **extra):
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0, "seed": 7, **extra}
+
+
+async def wait_for_event(engine, name: str, request_id: str, timeout_s: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [e for e in engine.events(name) if e.get("request_id") == request_id]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, f"no {name} for {request_id} in {engine.role} log within {timeout_s}s"
+        await asyncio.sleep(0.1)
+
+
+async def test_pd_output_matches_colocated(engines, pd, logs):
+    """Disaggregated (prefill → KV → decode) gives the same text and usage as one colocated engine, streamed and not."""
+    prefill, decode, both = await engines("prefill", "decode", "both")
+    disaggregated, colocated = await pd([prefill], [decode]), await pd([both], [both])
+    assert (disaggregated.mode, colocated.mode) == ("disaggregated", "colocated")
+    pd_chunks = [c async for c in disaggregated.stream("pd-1", "/v1/chat/completions", chat())]
+    co_chunks = [c async for c in colocated.stream("co-1", "/v1/chat/completions", chat())]
+    assert chunk_text(pd_chunks) == chunk_text(co_chunks) and len(chunk_text(pd_chunks)) > 0
+    assert pd_chunks[-1]["usage"] == co_chunks[-1]["usage"] and pd_chunks[-1]["usage"]["completion_tokens"] == 12
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "seed": 3}
+    pd_answer = await disaggregated.complete("pd-2", "/v1/completions", dict(body))
+    co_answer = await colocated.complete("co-2", "/v1/completions", dict(body))
+    assert pd_answer["choices"][0]["text"] == co_answer["choices"][0]["text"] and "kv_transfer_params" not in pd_answer
+    # The KV really moved, under the router's transfer id, and the request id reached both engines.
+    sent = await wait_for_event(prefill, events.KV_PRODUCER_SENT, "pd-1")
+    claimed = await wait_for_event(decode, events.KV_CONSUMER_CLAIMED, "pd-1")
+    assert sent["transfer_id"] == claimed["transfer_id"] == logs.events(events.ROUTER_PREFILL_DONE)[0]["transfer_id"]
+    assert disaggregated.backend_model == MODEL
+
+
+async def test_load_aware_spreads_over_two_decodes(engines, pd, logs):
+    """1P2D: concurrent requests land on both decodes, and never more than max_concurrent per decode at once."""
+    prefill, d1, d2 = await engines("prefill", "decode", "decode")
+    client = await pd([prefill], [d1, d2], max_concurrent=1)
+    peak = {d1.url: 0, d2.url: 0}
+
+    async def one(i: int) -> str:
+        chunks = []
+        async for chunk in client.stream(f"x-{i}", "/v1/chat/completions", chat(max_tokens=6)):
+            for b in client.backends:
+                peak[b.url] = max(peak.get(b.url, 0), b.in_flight)
+            chunks.append(chunk)
+        return chunk_text(chunks)
+
+    texts = await asyncio.gather(*(one(i) for i in range(6)))
+    assert len(set(texts)) == 1  # same prompt and seed: same answer whichever decode served it
+    decodes = [e["decode"] for e in logs.events(events.ROUTER_SCHEDULED)]
+    assert decodes.count(d1.url) >= 1 and decodes.count(d2.url) >= 1
+    assert peak[d1.url] == 1 and peak[d2.url] == 1
+
+
+async def test_killed_prefill_is_retried_on_the_other(engines, pd, logs):
+    """2P1D with one prefill process killed: the request is retried on the live prefill and succeeds."""
+    dead, alive, decode = await engines("prefill", "prefill", "decode")
+    # Slow health checks: the router still thinks the dead prefill is up, so the request really hits it.
+    client = await pd([dead, alive], [decode], policy="round_robin", health_interval_ms=60_000)
+    expected = chunk_text([c async for c in client.stream("warm", "/v1/chat/completions", chat())])
+    dead.kill()
+    texts = [chunk_text([c async for c in client.stream(f"k{i}", "/v1/chat/completions", chat())]) for i in range(2)]
+    assert texts == [expected, expected]
+    failed = logs.events(events.ROUTER_PREFILL_FAILED)
+    assert len(failed) == 1 and failed[0]["prefill"] == dead.url and failed[0]["retried"] is True
+    assert "cannot connect" in failed[0]["error"]
+
+
+async def test_only_prefill_killed_gives_clean_errors(engines, pd):
+    """1P1D with the prefill killed: 502 naming the prefill while the router still thinks it is up; 503 naming the role once health sees it."""
+    prefill, decode = await engines("prefill", "decode")
+    unaware = await pd([prefill], [decode], health_interval_ms=60_000)
+    watching = await pd([prefill], [decode], health_interval_ms=100)
+    prefill.kill()
+    with pytest.raises(UpstreamError, match="cannot connect to the prefill engine") as refused:
+        await asyncio.wait_for(unaware.complete("dead-1", "/v1/chat/completions", chat()), 10)
+    assert refused.value.status == 502
+    await asyncio.sleep(0.5)
+    with pytest.raises(Overloaded, match="no prefill backend is available") as caught:
+        await watching.complete("dead-2", "/v1/chat/completions", chat())
+    assert caught.value.status == 503 and "Retry-After" in caught.value.headers
+    assert watching.health_snapshot()["backends"][1]["state"] == "down"
+
+
+async def test_decode_killed_mid_stream_gives_in_band_error(engines, pd, aiohttp_client, logs):
+    """A decode process killed mid-stream: the client got the first chunks, then an in-band error, then the stream closed."""
+    prefill, decode = await engines("prefill", "decode", checkpoint="dummy:small")
+    client = await pd([prefill], [decode])
+    http = await aiohttp_client(relay_app(client))
+    response = await http.post("/v1/chat/completions", json={**chat(max_tokens=400), "stream": True}, headers={"X-Request-ID": "kill-d"})
+    assert response.status == 200
+    frames = [await response.content.readuntil(b"\n\n") for _ in range(3)]
+    decode.kill()
+    rest = (await asyncio.wait_for(response.content.read(), 15)).decode()
+    assert all(f.startswith(b'data: {"id"') for f in frames)
+    assert '"error"' in rest and "[DONE]" not in rest and response.content.at_eof()
+    failed = logs.events(events.ROUTER_DECODE_FAILED)
+    assert failed[-1]["mid_stream"] is True and failed[-1]["request_id"] == "kill-d"
+
+
+async def test_client_disconnect_cancels_the_decode(engines, pd, aiohttp_client, logs):
+    """A client that goes away mid-stream makes the router close the decode leg; the engine cancels and frees the KV."""
+    prefill, decode = await engines("prefill", "decode", checkpoint="dummy:small")
+    client = await pd([prefill], [decode])
+    http = await aiohttp_client(relay_app(client))
+    response = await http.post("/v1/chat/completions", json={**chat(max_tokens=400), "stream": True}, headers={"X-Request-ID": "gone"})
+    await response.content.readuntil(b"\n\n")
+    response.close()
+    cancelled = await wait_for_event(decode, events.ENGINE_REQUEST_CANCELLED, "gone", timeout_s=15)
+    assert cancelled["kv_blocks_freed"] > 0
+    assert [e["request_id"] for e in logs.events(events.ROUTER_CLIENT_DISCONNECTED)] == ["gone"]
+    assert all(b.in_flight == 0 for b in client.backends)
+
+
+async def test_engine_rejection_keeps_status_and_message(engines, pd, logs):
+    """An engine's 400 reaches the caller as a 400 with the engine's message, logged, and is not retried."""
+    prefill, decode = await engines("prefill", "decode")
+    client = await pd([prefill], [decode])
+    with pytest.raises(InvalidRequest) as caught:
+        await client.complete("bad-n", "/v1/chat/completions", chat(n=3))
+    assert caught.value.status == 400 and "n" in caught.value.message
+    assert len(logs.events(events.ROUTER_PREFILL_FAILED)) == 1 and logs.events(events.ROUTER_UPSTREAM_ERROR)[0]["status"] == 400

@@ -1,0 +1,34 @@
+"""The SSE reader the relay depends on yields the same frames however the bytes are split on the wire."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from stack.common.sse import read_events
+
+WIRE = ('event: delta\r\ndata: {"a": "é€"}\r\n\r\n: heartbeat\n\ndata: line one\ndata: line two\n\n'
+        'data: {"b": 2}\n\ndata: [DONE]\n\ndata: tail-without-blank-line').encode()
+EXPECTED = [("delta", '{"a": "é€"}'), (None, "line one\nline two"), (None, '{"b": 2}'), (None, "[DONE]"), (None, "tail-without-blank-line")]
+
+
+class Wire:
+    """A response body whose bytes arrive in the given network reads."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        for piece in self.pieces:
+            yield piece
+
+
+async def parse(pieces: list[bytes]) -> list[tuple[str | None, str]]:
+    return [frame async for frame in read_events(Wire(pieces))]  # type: ignore[arg-type]
+
+
+async def test_frames_survive_every_split_point():
+    """Splitting the byte stream anywhere (inside CRLF, inside a UTF-8 character) changes nothing."""
+    assert await parse([WIRE]) == EXPECTED
+    for cut in range(1, len(WIRE)):
+        assert await parse([WIRE[:cut], WIRE[cut:]]) == EXPECTED, f"split at byte {cut}"
+    assert await parse([bytes([b]) for b in WIRE]) == EXPECTED
