@@ -102,8 +102,8 @@ def _compose(spec: StackSpec, project: str, *command: str, timeout: float = 600)
     """Run `docker compose -p project -f file …`; raise StackError with its output on failure."""
     files = ["-f", str(spec.compose_file)]
     if spec.engine_env:
-        # JSON is YAML: compose reads the override from a file beside the base one's project.
-        override = Path(tempfile.gettempdir()) / f"{project}.override.json"
+        # JSON is YAML; relative paths (volumes) still resolve against the first file's directory.
+        override = override_path(project)
         override.write_text(json.dumps(engine_override(spec)))
         files += ["-f", str(override)]
     argv = ["docker", "compose", "-p", project, *files, *command]
@@ -112,6 +112,10 @@ def _compose(spec: StackSpec, project: str, *command: str, timeout: float = 600)
     if done.returncode != 0:
         raise StackError(f"{shlex.join(argv)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
     return done.stdout
+
+
+def override_path(project: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"{project}.override.json"
 
 
 def free_port() -> int:
@@ -134,6 +138,7 @@ def start_stack(spec: StackSpec, project: str, timeout: float) -> str:
 def stop_stack(spec: StackSpec, project: str) -> None:
     print(f"[compare] stopping {spec.name}", flush=True)
     _compose(spec, project, "down", "-v", "--remove-orphans", timeout=180)
+    override_path(project).unlink(missing_ok=True)
 
 
 async def wait_ready(base_url: str, api_key: str | None, timeout: float) -> None:
@@ -264,6 +269,9 @@ def main(args: argparse.Namespace) -> int:
             problems.append(f"--sweep: {args.sweep!r} is not comma-separated rates")
     else:
         rates = [args.request_rate]
+    malformed = [item for item in args.url + args.engine_env if "=" not in item]
+    if malformed:
+        problems.append(f"--url / --engine-env take NAME=VALUE, got {malformed}")
     unknown = [n for n in args.stacks.split(",") if n not in STACKS]
     if unknown:
         problems.append(f"--stacks: unknown {unknown}; choose from {list(STACKS)}")

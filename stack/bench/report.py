@@ -88,6 +88,7 @@ def comparison_chart(results: Mapping[str, Result], path: Path, title: str = "")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     samples = {name: per_request_samples(r) for name, r in results.items()}
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
@@ -97,6 +98,7 @@ def comparison_chart(results: Mapping[str, Result], path: Path, title: str = "")
             if values.size:
                 ax.plot(values, np.arange(1, values.size + 1) / values.size, label=name)
         ax.set_xscale("log")  # latencies span orders of magnitude; tails matter
+        ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap on short ranges
         ax.set_xlabel(f"{label} (ms, log scale)")
         ax.set_ylabel("fraction of samples ≤ x")
         ax.set_title(f"{label} CDF")
@@ -136,6 +138,7 @@ def sweep_chart(sweep: Mapping[str, Sequence[Result]], path: Path, title: str = 
         itl_ax.plot(rates, [r.get("p99_itl_ms") or 0.0 for r in runs], marker="o", label=name)
     good_ax.plot(rates, rates, linestyle=":", color="grey", label="offered rate")
     attain_ax.axhline(90, linestyle=":", color="grey", label="90 % (DistServe)")
+    attain_ax.set_ylim(0, 105)
     for ax, ylabel, heading in (
         (good_ax, "goodput (req/s meeting every SLO)", "Goodput vs rate"),
         (attain_ax, "requests meeting every SLO (%)", "SLO attainment vs rate"),

@@ -25,7 +25,9 @@ from stack.common import events
 
 _secrets: set[str] = set()
 # `Bearer <token>` and OpenAI/Anthropic-style `sk-…` keys, wherever they appear in a line.
-_TOKEN_PATTERN = re.compile(r"(Bearer\s+)[^\s\"',]+|\bsk-[A-Za-z0-9_\-]{6,}")
+# The token class stops at quotes, commas and backslashes so that redacting a serialized JSON line
+# (once per line, not per field: logging is on every request's hot path) keeps it valid JSON.
+_TOKEN_PATTERN = re.compile(r"(Bearer\s+)[^\s\"',\\]+|\bsk-[A-Za-z0-9_\-]{6,}")
 
 
 def register_secret(value: str) -> None:
@@ -59,8 +61,7 @@ def _format(record: dict[str, Any]) -> str:
     if record["exception"] is not None:
         exc_type, exc, _ = record["exception"]
         line["exc"] = f"{exc_type.__name__ if exc_type else 'Exception'}: {exc}"
-    line = {key: redact(value) if isinstance(value, str) else value for key, value in line.items()}
-    return json.dumps(line, default=_json_default, ensure_ascii=False)
+    return redact(json.dumps(line, default=_json_default, ensure_ascii=False))
 
 
 class _InterceptHandler(logging.Handler):

@@ -14,7 +14,6 @@ import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
-import aiohttp
 from aiohttp import web
 
 from stack.common import events
@@ -28,6 +27,7 @@ from stack.router.config import RouterConfig, load_keys_file
 from stack.router.limits import Limiter
 from stack.router.metrics import Metrics
 from stack.router.pd import PDClient
+from stack.router.relay import new_session
 from stack.router.usage import UsageStore
 
 # Generation routes (limited, counted) and the API name each one reports in logs and metrics.
@@ -147,8 +147,8 @@ def _open_usage(config: RouterConfig) -> UsageStore:
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     """One upstream ClientSession and the PD client for the app's lifetime; the usage file closed last."""
     config = app[CONFIG]
-    # No total timeout here: the PD client sets per-leg timeouts; streams may run for minutes.
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+    # One tuned session (no connection cap, no total timeout: the PD client sets per-leg timeouts).
+    async with new_session() as session:
         pd = PDClient(config.prefill, config.decode, config.scheduler, session, app[METRICS], model_id=config.taotoken.model_id)
         app[PD] = pd
         await pd.start()

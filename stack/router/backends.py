@@ -44,6 +44,7 @@ class PoolConfig:
     max_concurrent: int = 32  # requests in flight per backend; more wait in the router's queue
     kv_addrs: tuple[str, ...] = ()  # decode only: KV receive address per endpoint (default host:9100)
     health_addrs: tuple[str, ...] = ()  # gRPC health address per endpoint (default host:50051)
+    health_check: Literal["grpc", "http"] = "grpc"  # our engines serve gRPC health; vLLM serves GET /health
 
     def __post_init__(self) -> None:
         for i, url in enumerate(self.urls):
@@ -65,6 +66,8 @@ class PoolConfig:
         return self.kv_addrs[index] if self.kv_addrs else f"{urlsplit(self.urls[index]).hostname}:{DEFAULT_KV_PORT}"
 
     def health_addr(self, index: int) -> str:
+        if self.health_check == "http":
+            return f"{self.urls[index]}/health"
         return self.health_addrs[index] if self.health_addrs else f"{urlsplit(self.urls[index]).hostname}:{DEFAULT_HEALTH_PORT}"
 
 
@@ -130,12 +133,14 @@ class Breaker:
 class Backend:
     """One engine endpoint in one role, with the router's own load accounting."""
 
-    def __init__(self, url: str, role: Role, max_concurrent: int, kv_addr: str, health_addr: str, breaker: Breaker) -> None:
+    def __init__(self, url: str, role: Role, max_concurrent: int, kv_addr: str, health_addr: str, breaker: Breaker,
+                 health_check: str = "grpc") -> None:
         self.url = url
         self.role = role
         self.max_concurrent = max_concurrent
         self.kv_addr = kv_addr
         self.health_addr = health_addr
+        self.health_check = health_check
         self.breaker = breaker
         self.up = True  # until the health monitor or a connect error says otherwise
         self.in_flight = 0
@@ -186,7 +191,7 @@ class Backend:
 def build_pool(config: PoolConfig, role: Role, breaker_threshold: int, breaker_cooldown_s: float) -> list[Backend]:
     return [
         Backend(url, role, config.max_concurrent, config.kv_addr(i), config.health_addr(i),
-                Breaker(url, breaker_threshold, breaker_cooldown_s))
+                Breaker(url, breaker_threshold, breaker_cooldown_s), config.health_check)
         for i, url in enumerate(config.urls)
     ]
 

@@ -161,6 +161,14 @@ def _with_env_overrides(data: dict[str, Any], env: Mapping[str, str], file: str)
             endpoints = [e.strip() for e in env[var].split(",") if e.strip()]
             section.pop("endpoint", None)
             section["endpoints"] = endpoints
+    health_check = env.get("BACKEND_HEALTH_CHECK", "").strip()
+    if health_check:  # the GPU overlay's vLLM engines answer GET /health, not gRPC health
+        if health_check not in ("grpc", "http"):
+            raise ConfigError("environment", "BACKEND_HEALTH_CHECK", f"must be grpc or http, got {health_check!r}")
+        for table in ("prefill", "decode"):
+            section = data.setdefault(table, {})
+            if isinstance(section, dict):
+                section["health_check"] = health_check
     port_text = env.get("KV_TRANSFER_PORT", "").strip()
     if port_text:
         if not port_text.isdigit() or not 0 < int(port_text) < 65536:

@@ -25,7 +25,7 @@ from loguru import logger
 
 from stack.common import events
 from stack.common.errors import UpstreamError
-from stack.common.health import SERVING, probe_async
+from stack.common.health import NOT_SERVING, SERVING, UNREACHABLE, probe_async
 from stack.common.logging import log_event
 from stack.common.sse import DONE, read_events
 from stack.router.backends import Backend, PoolConfig, build_pool, check_topology, is_colocated
@@ -164,14 +164,24 @@ class PDClient:
 
     async def _probe_all(self) -> None:
         probe_timeout = min(2.0, max(0.2, self.config.health_interval_ms / 1000))
-        states = await asyncio.gather(*(probe_async(b.health_addr, probe_timeout) for b in self.backends))
+        states = await asyncio.gather(*(self._probe(b, probe_timeout) for b in self.backends))
         changed = False
         for backend, state in zip(self.backends, states):
-            if backend.set_up(state == SERVING, f"gRPC health {state} at {backend.health_addr}"):
+            if backend.set_up(state == SERVING, f"{backend.health_check} health {state} at {backend.health_addr}"):
                 self.scheduler.wake_all(self.scheduler.role_of(backend))
                 changed = True
         if changed and not self._model_learned:
             await self._learn_model()  # the engines were down at start-up
+
+    async def _probe(self, backend: Backend, timeout_s: float) -> str:
+        """SERVING, NOT_SERVING or UNREACHABLE, over gRPC health or (vLLM engines) GET /health."""
+        if backend.health_check == "grpc":
+            return await probe_async(backend.health_addr, timeout_s)
+        try:
+            async with self.session.get(backend.health_addr, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+                return SERVING if response.status == 200 else NOT_SERVING
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return UNREACHABLE
 
     async def _learn_model(self) -> None:
         """The engines' model id from a decode's /v1/models (the config's model_id until one answers)."""

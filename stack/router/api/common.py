@@ -189,6 +189,7 @@ def sampling(params: Params, stop_name: str = "stop") -> dict[str, Any]:
         "top_p": params.number("top_p", 0.0, 1.0),
         "stop": params.stop(stop_name),
         "seed": params.integer("seed", minimum=-(2**63)),
+        "ignore_eos": params.boolean("ignore_eos") or None,  # vLLM's extension; only OpenAI routes accept the key
     }
 
 

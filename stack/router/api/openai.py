@@ -20,8 +20,9 @@ from typing import Any
 
 from aiohttp import web
 
-from stack.common import sse
+from stack.common import events, sse
 from stack.common.errors import APIError, InvalidRequest, openai_error_body
+from stack.common.logging import log_event
 from stack.router.api.common import Params, charge, read_json, received, relay, resolve_model, sampling, upstream_body
 from stack.router.appkeys import CONFIG, PD
 
@@ -29,7 +30,8 @@ CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 
 _SHARED = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "user",
-           "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "metadata", "store", "service_tier"}
+           "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "metadata", "store", "service_tier",
+           "ignore_eos"}  # vLLM's extension, sent by `vllm bench serve` for random datasets
 _CHAT_PARAMS = _SHARED | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
                           "parallel_tool_calls", "functions", "function_call", "modalities", "audio", "reasoning_effort",
                           "prediction", "web_search_options"}
@@ -180,8 +182,13 @@ class _ChunkRelay:
         self.include_usage = include_usage
 
     def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
-        if not chunk.get("choices") and not self.include_usage:
-            return []
+        if not chunk.get("choices"):
+            if not self.include_usage:
+                return []
+            # The doctor's choices diagnosis reads this: a chunk with `choices: []` reached the client.
+            usage = chunk.get("usage") or {}
+            log_event(events.ROUTER_USAGE_CHUNK, "sent the usage chunk (empty choices) the client asked for",
+                      client_asked=True, prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"))
         return [sse.frame({**chunk, "model": self.model})]
 
     def end(self) -> list[bytes]:

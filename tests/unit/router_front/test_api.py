@@ -34,7 +34,15 @@ async def test_engine_gets_the_backend_model_and_only_supported_fields(router, e
     assert not {"tools", "tool_choice", "user"} & set(sent)
 
 
-async def test_usage_chunk_only_when_asked(router) -> None:
+async def test_vllm_ignore_eos_reaches_the_engine(router, engine) -> None:
+    """`ignore_eos` (sent by `vllm bench serve` for random datasets) is accepted and forwarded; a non-bool is a 400."""
+    response = await router.post("/v1/chat/completions", json=chat_body(ignore_eos=True), headers=auth())
+    assert response.status == 200 and engine.requests[-1]["body"]["ignore_eos"] is True
+    bad = await router.post("/v1/chat/completions", json=chat_body(ignore_eos="yes"), headers=auth())
+    assert bad.status == 400 and (await bad.json())["error"]["param"] == "ignore_eos"
+
+
+async def test_usage_chunk_only_when_asked(router, logs) -> None:
     """A raw stream carries the empty-choices usage chunk only with include_usage, and always ends with [DONE]."""
     async def frames(**extra):
         response = await router.post("/v1/chat/completions", json=chat_body(stream=True, **extra), headers=auth())
@@ -46,6 +54,8 @@ async def test_usage_chunk_only_when_asked(router) -> None:
     assert with_usage[-1] == "[DONE]"
     last = json.loads(with_usage[-2])
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+    sent = [e for e in log_events(logs) if e["event"] == "router.usage_chunk"]
+    assert len(sent) == 1 and sent[0]["client_asked"] is True and sent[0]["completion_tokens"] == 4
 
 
 async def test_anthropic_stream_has_the_event_sequence_and_no_done(router) -> None:

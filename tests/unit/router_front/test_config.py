@@ -41,6 +41,16 @@ def test_env_overrides_endpoints_and_kv_port() -> None:
     assert config.decode.kv_addrs == ("10.0.0.12:9200", "10.0.0.13:9200")
 
 
+def test_backend_health_check_env_switches_both_pools_to_http() -> None:
+    """BACKEND_HEALTH_CHECK=http (the GPU overlay's vLLM engines) probes GET /health; another value is refused."""
+    config = router_config.load(SHIPPED, env={"BACKEND_HEALTH_CHECK": "http"})
+    assert config.prefill.health_addr(0) == "http://prefill:8000/health"
+    assert config.decode.health_check == "http" and config.decode.health_addr(0) == "http://decode:8000/health"
+    assert router_config.load(SHIPPED, env={}).decode.health_addr(0) == "decode:50051"
+    with pytest.raises(ConfigError, match="BACKEND_HEALTH_CHECK: must be grpc or http, got 'rest'"):
+        router_config.load(SHIPPED, env={"BACKEND_HEALTH_CHECK": "rest"})
+
+
 @pytest.mark.parametrize(("text", "key"), [
     ('[taotoken]\napi_key = "sk-live-0123456789abcdef"\n', "taotoken.api_key"),
     ('[taotoken]\nmodel_id = "sk-proj-abcdefghijk"\n', "taotoken.model_id"),

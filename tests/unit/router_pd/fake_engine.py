@@ -58,6 +58,7 @@ class FakeEngine:
     faults: Faults = field(default_factory=Faults)
     seen: list[dict[str, Any]] = field(default_factory=list)
     disconnects: int = 0
+    serving: bool = True  # what both health endpoints say: gRPC health and vLLM-style GET /health
     url: str = ""
     health_addr: str = ""
     _runner: web.AppRunner | None = None
@@ -68,6 +69,7 @@ class FakeEngine:
         app.router.add_post("/v1/chat/completions", self._handle)
         app.router.add_post("/v1/completions", self._handle)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._http_health)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -87,7 +89,11 @@ class FakeEngine:
 
     async def set_health(self, serving: bool) -> None:
         assert self._health is not None, "start() first"
+        self.serving = serving
         await (self._health.set_serving() if serving else self._health.set_not_serving())
+
+    async def _http_health(self, _request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.serving else 503)
 
     async def _models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})

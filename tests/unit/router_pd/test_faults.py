@@ -10,6 +10,10 @@ import pytest
 
 from stack.common import events
 from stack.common.errors import InvalidRequest, Overloaded, RateLimited, UpstreamError, UpstreamTimeout
+from stack.router.backends import PoolConfig
+from stack.router.metrics import Metrics
+from stack.router.pd import PDClient
+from stack.router.scheduler import SchedulerConfig
 from tests.unit.router_pd.conftest import relay_app
 from tests.unit.router_pd.fake_engine import VLLM_NIXL_PREFILL_PARAMS, Faults, chunk_text
 
@@ -154,6 +158,32 @@ async def test_breaker_opens_then_recovers(fake, pd, logs):
     assert (await client.complete("rb", "/v1/chat/completions", dict(CHAT)))["usage"]["completion_tokens"] == 4
     states = [e["state"] for e in logs.events(events.BACKEND_CIRCUIT)]
     assert states == ["open", "half_open", "closed"]
+
+
+async def test_http_health_check_for_vllm_engines(fake, session, logs):
+    """With health_check = "http" (vLLM engines serve GET /health, no gRPC), a 503 takes a decode out and a 200 brings it back."""
+    prefill = await fake("prefill")
+    first, second = await fake("decode"), await fake("decode")
+
+    def http_pool(engines):
+        return PoolConfig(endpoints=tuple(e.url for e in engines), health_check="http",
+                          kv_addrs=tuple(getattr(e, "kv_addr", "127.0.0.1:1") for e in engines))
+
+    client = PDClient(http_pool([prefill]), http_pool([first, second]), SchedulerConfig(health_interval_ms=50), session, Metrics())
+    await client.start()
+    try:
+        await first.set_health(False)
+        await asyncio.sleep(0.3)
+        for i in range(3):
+            await client.complete(f"v{i}", "/v1/chat/completions", dict(CHAT))
+        assert len(first.seen) == 0 and len(second.seen) == 3
+        await first.set_health(True)
+        await asyncio.sleep(0.3)
+        assert client.health_snapshot()["backends"][1]["state"] == "up"
+    finally:
+        await client.close()
+    down = [e for e in logs.events(events.BACKEND_HEALTH) if e["backend"] == first.url]
+    assert [e["state"] for e in down] == ["down", "up"] and "http health" in down[0]["reason"]
 
 
 async def test_health_monitor_takes_a_backend_out_and_back(fake, pd, logs):
