@@ -57,7 +57,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--synthetic-sigma", type=float, default=0.5, help="log-normal spread of lengths (0 = fixed)")
     parser.add_argument(
         "--ignore-eos", action="store_true",
-        help="send vLLM's ignore_eos (for vLLM servers; our strict-OpenAI router answers 400 to it)",
+        help="send vLLM's ignore_eos: generate the full output budget (always on for --dataset-name random)",
     )
     parser.add_argument(
         "--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs for goodput: ttft:MS tpot:MS e2el:MS"
@@ -132,7 +132,7 @@ def build_job(args: argparse.Namespace, model: str, request: dataset.SampleReque
     else:
         payload["prompt"] = request.prompt
         payload["max_tokens"] = request.expected_output_len
-    if args.ignore_eos:
+    if args.ignore_eos or args.dataset_name == "random":  # vLLM forces it for random sets too
         payload["ignore_eos"] = True
     return Job(payload, request.prompt_len)
 

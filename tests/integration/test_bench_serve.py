@@ -46,3 +46,18 @@ def test_serve_counts_rejected_requests_as_failed(pd_stack: Stack, tmp_path) -> 
     assert (result["completed"], result["failed"]) == (0, 3)
     assert all(e.startswith("HTTP 401") for e in result["errors"])
     assert "Error 0: HTTP 401" in done.stdout
+
+
+def test_serve_random_dataset_gets_full_outputs(pd_stack: Stack, tmp_path) -> None:
+    """`--dataset-name random` sends ignore_eos (as vLLM): every request yields exactly its 8-token budget."""
+    argv = [sys.executable, "-m", "stack.bench", "serve", "--base-url", pd_stack.router_url, "--num-prompts", "4",
+            "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "8",
+            "--endpoint", "/v1/completions", "--save-result", "--save-detailed", "--result-dir", str(tmp_path),
+            "--result-filename", "random.json", "--disable-tqdm"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TAOTOKEN_API_KEY": pd_stack.api_key})
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "random.json").read_text())
+    assert result["backend"] == "openai" and result["completed"] == 4
+    assert result["output_lens"] == [8, 8, 8, 8]
+    assert all(0 < ttft <= latency for ttft, latency in zip(result["ttfts"], result["latencies"]))

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from stack.bench import serve
+from stack.bench.dataset import SampleRequest
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -73,14 +74,14 @@ async def test_failed_requests_are_counted_with_errors(sse_server, plan) -> None
     assert serve.failure_lines(result)[1].startswith("Error 0: HTTP 401")
 
 
-def test_completions_body() -> None:
-    """--endpoint /v1/completions sends `prompt` and `max_tokens` (vLLM's openai backend)."""
-    args = parse(["--endpoint", "/v1/completions", "--ignore-eos"])
-    from stack.bench.dataset import SampleRequest
-
-    job = serve.build_job(args, "m", SampleRequest("hello", 5, 7))
+def test_completions_body_and_ignore_eos() -> None:
+    """--endpoint /v1/completions sends `prompt`/`max_tokens`; ignore_eos only when asked or for random sets."""
+    sample = SampleRequest("hello", 5, 7)
+    job = serve.build_job(parse(["--endpoint", "/v1/completions", "--ignore-eos"]), "m", sample)
     assert job.payload["prompt"] == "hello" and job.payload["max_tokens"] == 7 and job.payload["ignore_eos"] is True
     assert "messages" not in job.payload
+    assert "ignore_eos" not in serve.build_job(parse([]), "m", sample).payload
+    assert serve.build_job(parse(["--dataset-name", "random"]), "m", sample).payload["ignore_eos"] is True
 
 
 def test_bad_flags_are_reported() -> None:
