@@ -55,6 +55,9 @@ class TaotokenConfig:
     base_url: str = "https://taotoken.net/api"  # the public channel clients know; informational here
     api_key_env: str = "TAOTOKEN_API_KEY"  # env var holding the unified key (never the key itself)
     model_id: str = "your-model-id"  # the public model id clients send; mapped to the engines' model
+    # Other names accepted for the same model, as shell-style patterns: Claude Code asks for
+    # claude-* models (e.g. its small/fast model) unless every ANTHROPIC_*_MODEL variable is set.
+    model_aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env) is not None, "api_key_env",

@@ -7,6 +7,7 @@ gets a precise 400 in its API's shape from the error middleware instead of a 500
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, TypeVar
@@ -148,9 +149,10 @@ class Params:
 
 def resolve_model(request: web.Request, model: str) -> str:
     """The backend model for a public model name, or 404 model_not_found naming what is served."""
-    public = request.app[CONFIG].taotoken.model_id
+    taotoken = request.app[CONFIG].taotoken
+    public = taotoken.model_id
     backend = request.app[PD].backend_model
-    if model not in (public, backend):
+    if model not in (public, backend) and not any(fnmatch.fnmatchcase(model, alias) for alias in taotoken.model_aliases):
         raise NotFound(f"The model '{model}' does not exist on this router; it serves '{public}' (see GET /v1/models).",
                        param="model", code="model_not_found")
     return backend

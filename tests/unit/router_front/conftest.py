@@ -155,7 +155,8 @@ def log_events(sink: io.StringIO) -> list[dict[str, Any]]:
     return [json.loads(line) for line in sink.getvalue().splitlines() if line.strip()]
 
 
-def write_settings(tmp_path: Path, engine_url: str, limits: str = "", extra: str = "", health: str = "") -> Path:
+def write_settings(tmp_path: Path, engine_url: str, limits: str = "", extra: str = "", health: str = "",
+                   taotoken: str = "") -> Path:
     """A settings.toml for a colocated router over `engine_url`, usage in tmp_path."""
     health_lines = f'health_addrs = ["{health}"]' if health else ""
     interval = 500 if health else 0
@@ -168,6 +169,7 @@ max_body_bytes = 65536
 [taotoken]
 api_key_env = "{KEY_ENV}"
 model_id = "{MODEL}"
+{taotoken}
 [prefill]
 endpoint = "{engine_url}"
 {health_lines}
@@ -194,10 +196,10 @@ async def make_router(tmp_path: Path, engine: FakeEngine) -> Any:
     clients: list[TestClient] = []
 
     async def start(limits: str = "", extra: str = "", env: dict[str, str] | None = None,
-                    backend: RealEngine | None = None) -> TestClient:
+                    backend: RealEngine | None = None, taotoken: str = "") -> TestClient:
         """A router over the stand-in engine, or over `backend` (a real engine, health-checked over gRPC)."""
         url = backend.url if backend else engine.url  # type: ignore[attr-defined]
-        settings = write_settings(tmp_path, url, limits, extra, backend.health_addr if backend else "")
+        settings = write_settings(tmp_path, url, limits, extra, backend.health_addr if backend else "", taotoken)
         config = router_config.load(settings, env={})
         app = create_app(config, env={KEY_ENV: KEY} if env is None else env)
         client = TestClient(TestServer(app, host="127.0.0.1"))

@@ -42,6 +42,16 @@ async def test_vllm_ignore_eos_reaches_the_engine(router, engine) -> None:
     assert bad.status == 400 and (await bad.json())["error"]["param"] == "ignore_eos"
 
 
+async def test_model_aliases_accept_claude_code_model_names(make_router, engine) -> None:
+    """With model_aliases = ["claude-*"], Claude Code's own model names reach the one served model; others stay 404."""
+    router = await make_router(taotoken='model_aliases = ["claude-*"]')
+    body = {"model": "claude-3-5-haiku-20241022", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    response = await router.post("/v1/messages", json=body, headers=auth())
+    assert response.status == 200 and engine.requests[-1]["body"]["model"] == BACKEND_MODEL
+    other = await router.post("/v1/messages", json={**body, "model": "gpt-4o"}, headers=auth())
+    assert other.status == 404 and (await other.json())["error"]["type"] == "not_found_error"
+
+
 async def test_usage_chunk_only_when_asked(router, logs) -> None:
     """A raw stream carries the empty-choices usage chunk only with include_usage, and always ends with [DONE]."""
     async def frames(**extra):
