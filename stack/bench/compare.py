@@ -38,6 +38,11 @@ REPO = Path(__file__).resolve().parents[2]
 STACKS = ("colocated", "disaggregated")
 COMPOSE_FILES = {"colocated": "compose.colocated.yaml", "disaggregated": "compose.yaml"}
 ENGINE_SERVICES = {"colocated": ("engine",), "disaggregated": ("prefill", "decode")}
+COLOCATED_CONFIG = REPO / "stack" / "colocated" / "config.json"
+# Chunk budget with --colocated-chunked-prefill: a 256-token chunk costs ≈ 0.15–0.2 s on one core
+# here (≈ 3 batched decode steps, an 800-token prompt ≈ 0.55 s), so a prefill stalls decodes in
+# ≈ 3 short steps instead of one long one; the shipped 2048 would never cut an ~800-token prompt.
+CHUNKED_PREFILL_BUDGET = 256
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,7 @@ class StackSpec:
     env: dict[str, str] = field(default_factory=dict)  # cpusets, model, key for compose
     url: str | None = None
     engine_env: dict[str, str] = field(default_factory=dict)  # extra environment of the engine containers
+    config_dir: Path | None = None  # generated engine config.json mounted at /config instead of the shipped one
 
 
 class StackError(RuntimeError):
@@ -73,6 +79,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--engine-env", action="append", default=[], metavar="KEY=VALUE",
         help="extra environment for every engine container in both stacks, e.g. OPENBLAS_NUM_THREADS=1",
     )
+    parser.add_argument(
+        "--colocated-chunked-prefill", action="store_true",
+        help="run the colocated engine with chunked_prefill (vLLM V1's default) instead of the shipped config",
+    )
+    parser.add_argument(
+        "--colocated-max-num-batched-tokens", type=int, default=None, metavar="N",
+        help=f"step token budget of the colocated engine (default with chunked prefill: {CHUNKED_PREFILL_BUDGET})",
+    )
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a stack to come up")
     parser.add_argument("--keep-up", action="store_true", help="leave the last stack running (debugging)")
 
@@ -85,26 +99,55 @@ def stack_specs(args: argparse.Namespace) -> list[StackSpec]:
         "disaggregated": {"PREFILL_CPUS": args.prefill_cpus, "DECODE_CPUS": args.decode_cpus},
     }
     engine_env = dict(item.split("=", 1) for item in args.engine_env)
+    changes = colocated_config_changes(args)
     specs = []
     for name in args.stacks.split(","):
         compose = None if name in urls else REPO / COMPOSE_FILES[name]
-        specs.append(StackSpec(name, compose, {**common, **cpus.get(name, {})}, urls.get(name), engine_env))
+        config_dir = None
+        if name == "colocated" and compose and changes:
+            config_dir = write_colocated_config(Path(args.out) / "colocated-engine", changes)
+        specs.append(StackSpec(name, compose, {**common, **cpus.get(name, {})}, urls.get(name), engine_env, config_dir))
     return specs
 
 
+def colocated_config_changes(args: argparse.Namespace) -> dict[str, Any]:
+    """The keys --colocated-chunked-prefill / --colocated-max-num-batched-tokens change in the shipped config."""
+    changes: dict[str, Any] = {}
+    if args.colocated_chunked_prefill:
+        changes = {"chunked_prefill": True, "max_num_batched_tokens": CHUNKED_PREFILL_BUDGET}
+    if args.colocated_max_num_batched_tokens is not None:
+        changes["max_num_batched_tokens"] = args.colocated_max_num_batched_tokens
+    return changes
+
+
+def write_colocated_config(directory: Path, changes: dict[str, Any]) -> Path:
+    """Copy stack/colocated/config.json with `changes` into `directory` (absolute: compose mounts it)."""
+    directory = directory.resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {**json.loads(COLOCATED_CONFIG.read_text()), **changes}
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
+
+
 def engine_override(spec: StackSpec) -> dict[str, Any]:
-    """A compose override adding `spec.engine_env` to each engine service (compose merges
-    `environment` maps key by key, so the base file's variables stay)."""
-    return {"services": {service: {"environment": spec.engine_env} for service in ENGINE_SERVICES[spec.name]}}
+    """A compose override for each engine service: `spec.engine_env` added to its environment (compose
+    merges `environment` maps key by key, so the base file's variables stay) and `spec.config_dir` at
+    /config (compose merges `volumes` by container path, so it replaces the shipped config's mount)."""
+    service: dict[str, Any] = {}
+    if spec.engine_env:
+        service["environment"] = spec.engine_env
+    if spec.config_dir:
+        service["volumes"] = [f"{spec.config_dir}:/config:ro"]
+    return {"services": {name: service for name in ENGINE_SERVICES[spec.name]}} if service else {}
 
 
 def _compose(spec: StackSpec, project: str, *command: str, timeout: float = 600) -> str:
     """Run `docker compose -p project -f file …`; raise StackError with its output on failure."""
     files = ["-f", str(spec.compose_file)]
-    if spec.engine_env:
+    if override_spec := engine_override(spec):
         # JSON is YAML; relative paths (volumes) still resolve against the first file's directory.
         override = override_path(project)
-        override.write_text(json.dumps(engine_override(spec)))
+        override.write_text(json.dumps(override_spec))
         files += ["-f", str(override)]
     argv = ["docker", "compose", "-p", project, *files, *command]
     env = {**os.environ, **{k: v for k, v in spec.env.items() if v}}
@@ -223,6 +266,11 @@ def conditions(args: argparse.Namespace, specs: list[StackSpec], command: str) -
         f"{s.name}: " + ", ".join(f"{k}={v}" for k, v in s.env.items() if k.endswith("_CPUS") and v) for s in specs
     )
     engine_env = " ".join(f"{k}={v}" for k, v in specs[0].engine_env.items()) or "none (as the compose files ship)"
+    changes = colocated_config_changes(args)
+    colocated_config = (
+        "stack/colocated/config.json with " + ", ".join(f"{k}={json.dumps(v)}" for k, v in changes.items())
+        if changes else "stack/colocated/config.json as shipped"
+    )
     return "\n".join([
         f"- Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- Command: `{command}`",
@@ -232,6 +280,7 @@ def conditions(args: argparse.Namespace, specs: list[StackSpec], command: str) -
         f" seed {args.seed}; burstiness {args.burstiness}; max concurrency {args.max_concurrency}",
         f"- Goodput SLOs: {slos}",
         f"- Extra engine environment: {engine_env}",
+        f"- Colocated engine config: {colocated_config}",
     ])
 
 
@@ -269,6 +318,8 @@ def main(args: argparse.Namespace) -> int:
             problems.append(f"--sweep: {args.sweep!r} is not comma-separated rates")
     else:
         rates = [args.request_rate]
+    if args.colocated_max_num_batched_tokens is not None and args.colocated_max_num_batched_tokens <= 0:
+        problems.append(f"--colocated-max-num-batched-tokens must be positive, got {args.colocated_max_num_batched_tokens}")
     malformed = [item for item in args.url + args.engine_env if "=" not in item]
     if malformed:
         problems.append(f"--url / --engine-env take NAME=VALUE, got {malformed}")

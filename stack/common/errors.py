@@ -18,7 +18,7 @@ from aiohttp import web
 from loguru import logger
 
 from stack.common import events
-from stack.common.logging import log_event
+from stack.common.logging import REQUEST_ID, log_event
 
 REQUEST_ID_HEADER = "X-Request-ID"
 
@@ -111,7 +111,7 @@ Renderer = Callable[[web.Request, APIError], dict[str, Any]]
 
 
 def error_response(request: web.Request, err: APIError, render: Renderer = lambda _r, e: openai_error_body(e)) -> web.Response:
-    headers = {REQUEST_ID_HEADER: request.get("request_id", "-"), **err.headers}
+    headers = {REQUEST_ID_HEADER: request.get(REQUEST_ID, "-"), **err.headers}
     return web.json_response(render(request, err), status=err.status, headers=headers, dumps=json.dumps)
 
 
@@ -147,7 +147,7 @@ def error_middleware(render: Renderer = lambda _r, e: openai_error_body(e)) -> C
 async def request_id_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """Accept X-Request-ID (or mint one), log under it, and echo it back."""
     request_id = request.headers.get(REQUEST_ID_HEADER, "").strip()[:128] or uuid.uuid4().hex
-    request["request_id"] = request_id
+    request[REQUEST_ID] = request_id
     with logger.contextualize(request_id=request_id):
         response = await handler(request)
     if not response.prepared:

@@ -15,13 +15,17 @@ import json
 import logging
 import re
 import sys
-from datetime import datetime, timezone
+from datetime import timezone
 from typing import Any, TextIO
 
+from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from loguru import logger
 
 from stack.common import events
+
+# The request's id, set by stack.common.errors.request_id_middleware and read by every hop's logs.
+REQUEST_ID = web.RequestKey("request_id", str)
 
 _secrets: set[str] = set()
 # `Bearer <token>` and OpenAI/Anthropic-style `sk-…` keys, wherever they appear in a line.
@@ -106,7 +110,7 @@ class AccessLogger(AbstractAccessLogger):
     def log(self, request, response, time: float) -> None:  # type: ignore[override]
         logger.bind(
             event=events.HTTP_ACCESS,
-            request_id=request.get("request_id", "-"),
+            request_id=request.get(REQUEST_ID, "-"),
             method=request.method,
             path=request.path,
             status=response.status,

@@ -18,7 +18,7 @@ from aiohttp import web
 
 from stack.common import events
 from stack.common.errors import (
-    REQUEST_ID_HEADER, APIError, InvalidRequest, Overloaded, ServerError, UpstreamError, UpstreamTimeout,
+    REQUEST_ID, REQUEST_ID_HEADER, APIError, InvalidRequest, Overloaded, ServerError, UpstreamError, UpstreamTimeout,
     error_middleware, openai_error_body, request_id_middleware,
 )
 from stack.common.logging import log_event
@@ -128,7 +128,7 @@ class _ClientGone(Exception):
 
 async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    request_id = request["request_id"]
+    request_id = request[REQUEST_ID]
     data = protocol.parse_json(await request.read())
     req = protocol.parse_request(kind, data, model_id=engine.config.model, tokenizer=engine.model.tokenizer,
                                  max_model_len=engine.max_model_len)
@@ -172,22 +172,22 @@ async def _complete(request: web.Request, engine: Engine, req: CompletionRequest
         text += out.text
     assert out is not None and out.finish_reason is not None, "output stream ended without a finish"
     _raise_if_failed(out)
-    ids = ResponseIds.new(req.kind, request["request_id"], engine.config.model)
+    ids = ResponseIds.new(req.kind, request[REQUEST_ID], engine.config.model)
     body = protocol.completion_body(req.kind, ids, text, out.finish_reason, len(req.prompt_tokens), out.num_tokens)
     if req.kv_transfer is not None and req.kv_transfer.do_remote_decode:
         try:
-            body["kv_transfer_params"] = await engine.handoff.push(request["request_id"], req, seq)
+            body["kv_transfer_params"] = await engine.handoff.push(request[REQUEST_ID], req, seq)
         except KVTransferError as err:
             raise _api_error(err, req) from None
     return web.json_response(body)
 
 
 async def _stream(request: web.Request, engine: Engine, req: CompletionRequest, seq: Sequence) -> web.StreamResponse:
-    ids = ResponseIds.new(req.kind, request["request_id"], engine.config.model)
+    ids = ResponseIds.new(req.kind, request[REQUEST_ID], engine.config.model)
     outputs = _outputs(request, seq)
     first_output = await anext(outputs)  # before the 200 goes out: an engine error can still be a status
     _raise_if_failed(first_output)
-    stream = await open_stream(request, {REQUEST_ID_HEADER: request["request_id"]})
+    stream = await open_stream(request, {REQUEST_ID_HEADER: request[REQUEST_ID]})
     first, out = True, first_output
     try:
         while True:

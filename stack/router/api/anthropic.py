@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from stack.common import sse
-from stack.common.errors import APIError, InvalidRequest
+from stack.common.errors import REQUEST_ID, APIError, InvalidRequest
 from stack.router.api.common import Params, charge, read_json, received, relay, resolve_model, sampling, upstream_body
 from stack.router.api.openai import CHAT_PATH
 from stack.router.appkeys import PD
@@ -106,8 +106,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     pd = request.app[PD]
     if stream:
         estimate = estimate_prompt_tokens(upstream)
-        return await relay(request, pd.stream(request["request_id"], CHAT_PATH, upstream), _EventRelay(message_id, model, estimate))
-    result = await pd.complete(request["request_id"], CHAT_PATH, upstream)
+        return await relay(request, pd.stream(request[REQUEST_ID], CHAT_PATH, upstream), _EventRelay(message_id, model, estimate))
+    result = await pd.complete(request[REQUEST_ID], CHAT_PATH, upstream)
     usage = result.get("usage") or {}
     charge(request, usage)
     choice = (result.get("choices") or [{}])[0]

@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 from aiohttp import web
 
 from stack.common import events, sse
-from stack.common.errors import REQUEST_ID_HEADER, APIError, InvalidRequest, NotFound, PayloadTooLarge
+from stack.common.errors import REQUEST_ID, REQUEST_ID_HEADER, APIError, InvalidRequest, NotFound, PayloadTooLarge
 from stack.common.logging import log_event
 from stack.router.appkeys import CONFIG, PD, STREAM_ERROR, TOKENS
 
@@ -214,7 +214,7 @@ async def relay(request: web.Request, chunks: AsyncIterator[dict[str, Any]], tra
     """
     async with contextlib.aclosing(chunks):  # type: ignore[type-var]
         chunk = await peek(chunks)
-        stream = await sse.open_stream(request, {REQUEST_ID_HEADER: request["request_id"]})
+        stream = await sse.open_stream(request, {REQUEST_ID_HEADER: request[REQUEST_ID]})
         relayed = 0  # token chunks sent: the charge when a broken stream never reports usage
         try:
             try:

@@ -21,7 +21,7 @@ from typing import Any
 from aiohttp import web
 
 from stack.common import events, sse
-from stack.common.errors import APIError, InvalidRequest, openai_error_body
+from stack.common.errors import REQUEST_ID, APIError, InvalidRequest, openai_error_body
 from stack.common.logging import log_event
 from stack.router.api.common import Params, charge, read_json, received, relay, resolve_model, sampling, upstream_body
 from stack.router.appkeys import CONFIG, PD
@@ -168,10 +168,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _answer(request: web.Request, path: str, upstream: dict[str, Any], model: str, include_usage: bool) -> web.StreamResponse:
     pd = request.app[PD]
     if not upstream["stream"]:
-        result = await pd.complete(request["request_id"], path, upstream)
+        result = await pd.complete(request[REQUEST_ID], path, upstream)
         charge(request, result.get("usage"))
         return web.json_response({**result, "model": model})
-    return await relay(request, pd.stream(request["request_id"], path, upstream), _ChunkRelay(model, include_usage))
+    return await relay(request, pd.stream(request[REQUEST_ID], path, upstream), _ChunkRelay(model, include_usage))
 
 
 class _ChunkRelay:

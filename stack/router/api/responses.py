@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from stack.common import sse
-from stack.common.errors import APIError, InvalidRequest
+from stack.common.errors import REQUEST_ID, APIError, InvalidRequest
 from stack.router.api.common import Params, charge, read_json, received, relay, resolve_model, sampling, upstream_body
 from stack.router.api.openai import CHAT_PATH
 from stack.router.appkeys import PD
@@ -97,8 +97,8 @@ async def responses(request: web.Request) -> web.StreamResponse:
     shape = _Shape(model, params.string("instructions"), max_tokens, choices)
     pd = request.app[PD]
     if stream:
-        return await relay(request, pd.stream(request["request_id"], CHAT_PATH, upstream), _EventRelay(shape))
-    result = await pd.complete(request["request_id"], CHAT_PATH, upstream)
+        return await relay(request, pd.stream(request[REQUEST_ID], CHAT_PATH, upstream), _EventRelay(shape))
+    result = await pd.complete(request[REQUEST_ID], CHAT_PATH, upstream)
     charge(request, result.get("usage"))
     choice = (result.get("choices") or [{}])[0]
     text = (choice.get("message") or {}).get("content") or ""

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from aiohttp import web
 
-from stack.bench import compare, report
+from stack.bench import compare, report, serve
 from stack.bench.metrics import detailed_fields, outcome_from_chunks, summarize
+from stack.common.config import build
+from stack.engine.config import EngineConfig
 from tests.unit.bench.conftest import StreamPlan, make_app
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -112,3 +115,37 @@ def test_engine_env_override_targets_engine_services() -> None:
     colocated, disaggregated = compare.stack_specs(args)
     assert compare.engine_override(colocated) == {"services": {"engine": {"environment": {"OPENBLAS_NUM_THREADS": "1"}}}}
     assert set(compare.engine_override(disaggregated)["services"]) == {"prefill", "decode"}
+
+
+def test_colocated_chunked_prefill_mounts_a_generated_engine_config(tmp_path) -> None:
+    """--colocated-chunked-prefill writes the colocated config with chunked_prefill and the budget, mounted at /config."""
+    parser = argparse.ArgumentParser()
+    compare.add_cli_args(parser)
+    args = parser.parse_args(["--colocated-chunked-prefill", "--colocated-max-num-batched-tokens", "512",
+                              "--api-key", "k", "--out", str(tmp_path)])
+    colocated, disaggregated = compare.stack_specs(args)
+    override = compare.engine_override(colocated)
+    assert override == {"services": {"engine": {"volumes": [f"{tmp_path / 'colocated-engine'}:/config:ro"]}}}
+    written = json.loads((tmp_path / "colocated-engine" / "config.json").read_text())
+    assert written == {**json.loads(compare.COLOCATED_CONFIG.read_text()), "chunked_prefill": True,
+                       "max_num_batched_tokens": 512}
+    # The engine itself accepts it, as role both with chunking on.
+    engine = build(EngineConfig, written, "config.json")
+    assert (engine.role, engine.chunked_prefill, engine.max_num_batched_tokens) == ("both", True, 512)
+    assert disaggregated.config_dir is None and compare.engine_override(disaggregated) == {}
+
+
+def test_colocated_chunked_prefill_defaults_to_a_budget_below_the_prompt_size(tmp_path) -> None:
+    """Without a budget the flag uses CHUNKED_PREFILL_BUDGET (not the shipped 2048, which never cuts an 800-token prompt)."""
+    parser = argparse.ArgumentParser()
+    compare.add_cli_args(parser)
+    args = parser.parse_args(["--colocated-chunked-prefill", "--engine-env", "OPENBLAS_NUM_THREADS=1",
+                              "--api-key", "k", "--out", str(tmp_path)])
+    assert serve.check_args(args) == []  # as compare.main does first
+    colocated, _ = compare.stack_specs(args)
+    service = compare.engine_override(colocated)["services"]["engine"]
+    assert service["environment"] == {"OPENBLAS_NUM_THREADS": "1"}  # both changes in the one override
+    written = json.loads((colocated.config_dir / "config.json").read_text())
+    assert written["max_num_batched_tokens"] == compare.CHUNKED_PREFILL_BUDGET < 800
+    assert written["chunked_prefill"] is True
+    assert "chunked_prefill=true, max_num_batched_tokens=256" in compare.conditions(args, [colocated], "cmd")

@@ -100,15 +100,15 @@ def relay_app(client: PDClient) -> Any:
 
     from aiohttp import web
 
-    from stack.common.errors import APIError, error_middleware, openai_error_body, request_id_middleware
+    from stack.common.errors import REQUEST_ID, APIError, error_middleware, openai_error_body, request_id_middleware
     from stack.common.sse import open_stream, send_done, send_event
 
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if not body.get("stream"):
-            return web.json_response(await client.complete(request["request_id"], request.path, body))
+            return web.json_response(await client.complete(request[REQUEST_ID], request.path, body))
         stream = None
-        async with aclosing(client.stream(request["request_id"], request.path, body)) as chunks:
+        async with aclosing(client.stream(request[REQUEST_ID], request.path, body)) as chunks:
             try:
                 async for chunk in chunks:
                     stream = stream or await open_stream(request)
