@@ -147,6 +147,27 @@ class Params:
                                  code="unsupported_parameter")
 
 
+# OpenAI chat and Responses roles, as the engines' chat template knows them.
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def text_content(content: Any, where: str, part_types: frozenset[str]) -> str:
+    """A message's content as text: a string, or an array of text parts of `part_types` (others are a 400)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"Invalid type for '{where}': expected a string or an array of content parts.", param=where,
+                             code="invalid_type")
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in part_types or not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"Unsupported content part at '{where}[{i}]' (type {kind!r}): only {', '.join(sorted(part_types))} "
+                                 "parts are supported.", param=f"{where}[{i}]", code="unsupported_content")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def resolve_model(request: web.Request, model: str) -> str:
     """The backend model for a public model name, or 404 model_not_found naming what is served."""
     taotoken = request.app[CONFIG].taotoken

@@ -23,7 +23,8 @@ from aiohttp import web
 from stack.common import events, sse
 from stack.common.errors import REQUEST_ID, APIError, InvalidRequest, openai_error_body
 from stack.common.logging import log_event
-from stack.router.api.common import Params, charge, read_json, received, relay, resolve_model, sampling, upstream_body
+from stack.router.api.common import (CHAT_ROLES, Params, charge, read_json, received, relay, resolve_model, sampling, text_content,
+                                     upstream_body)
 from stack.router.appkeys import CONFIG, PD
 
 CHAT_PATH = "/v1/chat/completions"
@@ -36,7 +37,7 @@ _CHAT_PARAMS = _SHARED | {"messages", "max_completion_tokens", "top_logprobs", "
                           "parallel_tool_calls", "functions", "function_call", "modalities", "audio", "reasoning_effort",
                           "prediction", "web_search_options"}
 _COMPLETION_PARAMS = _SHARED | {"prompt", "echo", "best_of", "suffix"}
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_CHAT_PARTS = frozenset({"text", "input_text"})
 
 
 def _check_known(body: dict[str, Any], known: set[str]) -> None:
@@ -61,23 +62,6 @@ def _check_shared(params: Params) -> bool:
     return include_usage
 
 
-def _message_text(content: Any, where: str) -> str:
-    """A message's content as text: a string, or an array of text parts (other parts are a 400)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequest(f"Invalid type for '{where}': expected a string or an array of content parts.", param=where,
-                             code="invalid_type")
-    texts = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or not isinstance(part.get("text"), str) or part.get("type") not in ("text", "input_text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise InvalidRequest(f"Unsupported content part at '{where}[{i}]' (type {kind!r}): only text parts are supported.",
-                                 param=f"{where}[{i}]", code="unsupported_content")
-        texts.append(part["text"])
-    return "".join(texts)
-
-
 def _chat_messages(params: Params) -> list[dict[str, str]]:
     messages = params.array("messages", required=True) or []
     if not messages:
@@ -91,13 +75,13 @@ def _chat_messages(params: Params) -> list[dict[str, str]]:
         if role == "tool" or role == "function":
             raise InvalidRequest(f"Unsupported message role '{role}' at '{where}.role': this deployment has no tool calling.",
                                  param=f"{where}.role", code="unsupported_parameter")
-        if role not in _ROLES:
+        if role not in CHAT_ROLES:
             raise InvalidRequest(f"Invalid value for '{where}.role': expected one of system, developer, user, assistant, got {role!r}.",
                                  param=f"{where}.role", code="invalid_value")
         if "content" not in message or message["content"] is None:
             raise InvalidRequest(f"Missing required parameter: '{where}.content'.", param=f"{where}.content",
                                  code="missing_required_parameter")
-        result.append({"role": _ROLES[role], "content": _message_text(message["content"], f"{where}.content")})
+        result.append({"role": CHAT_ROLES[role], "content": text_content(message["content"], f"{where}.content", _CHAT_PARTS)})
     return result
 
 

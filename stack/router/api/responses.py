@@ -24,28 +24,11 @@ from aiohttp import web
 
 from stack.common import sse
 from stack.common.errors import REQUEST_ID, APIError, InvalidRequest
-from stack.router.api.common import Params, charge, read_json, received, relay, resolve_model, sampling, upstream_body
+from stack.router.api.common import CHAT_ROLES, Params, charge, read_json, received, relay, resolve_model, sampling, text_content, upstream_body
 from stack.router.api.openai import CHAT_PATH
 from stack.router.appkeys import PD
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-_TEXT_PARTS = {"input_text", "output_text", "text"}
-
-
-def _content(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequest(f"Invalid type for '{where}': expected a string or an array of content parts.", param=where,
-                             code="invalid_type")
-    texts = []
-    for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise InvalidRequest(f"Unsupported content part at '{where}[{i}]' (type {kind!r}): only input_text and output_text are supported.",
-                                 param=f"{where}[{i}]", code="unsupported_content")
-        texts.append(part["text"])
-    return "".join(texts)
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
 
 def _messages(params: Params) -> list[dict[str, str]]:
@@ -64,10 +47,10 @@ def _messages(params: Params) -> list[dict[str, str]]:
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "reasoning":
             continue
-        if kind != "message" or item.get("role") not in _ROLES:
+        if kind != "message" or item.get("role") not in CHAT_ROLES:
             raise InvalidRequest(f"Unsupported input item at '{where}' (type {kind!r}): only message items with role "
                                  "user, assistant, system or developer are supported.", param=where, code="unsupported_input")
-        result.append({"role": _ROLES[item["role"]], "content": _content(item.get("content", ""), f"{where}.content")})
+        result.append({"role": CHAT_ROLES[item["role"]], "content": text_content(item.get("content", ""), f"{where}.content", _TEXT_PARTS)})
     return result
 
 
