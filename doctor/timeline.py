@@ -92,6 +92,9 @@ class Timeline:
         return any(r.service != CLIENT for r in self.records)
 
 
+_NOT_GENERATION = frozenset({events.HTTP_ACCESS, events.AUTH_ACCEPTED})
+
+
 def build_timelines(records: list[Record]) -> tuple[dict[str, Timeline], list[Record]]:
     """→ (timelines by request id, records that belong to no request: start-up lines and the like)."""
     timelines: dict[str, Timeline] = {}
@@ -115,8 +118,9 @@ def build_timelines(records: list[Record]) -> tuple[dict[str, Timeline], list[Re
             timelines[owner].records.append(r)
         else:
             background.append(r)
-    # Health probes, /metrics and /v1/models get request ids too, but only an access line: not requests.
-    probes = [rid for rid, t in timelines.items() if all(r.event == events.HTTP_ACCESS for r in t.records)]
+    # Health probes, /metrics, /v1/models and /v1/usage get request ids too, but only an access line
+    # (and an accepted key): they are not generation requests and cannot stop at a hop.
+    probes = [rid for rid, t in timelines.items() if all(r.event in _NOT_GENERATION for r in t.records)]
     for rid in probes:
         background.extend(timelines.pop(rid).records)
     order = attrgetter("hop", "ts")

@@ -40,3 +40,16 @@ def test_request_that_failed_at_decode_stops_there():
     assert {t.stopped_at for t in timelines.values()} == {"decode"}
     assert not any(t.complete for t in timelines.values())
     assert any(r.event == "kv_consumer.listening" for r in background)
+
+
+def test_authenticated_listing_calls_are_not_requests():
+    """GET /v1/models with a valid key (auth.accepted + access line, recorded from a live stack) is no stopped request."""
+    lines = [
+        '{"ts": "2026-11-29T21:53:44.197Z", "level": "INFO", "service": "router", "event": "auth.accepted", '
+        '"request_id": "40637df7", "msg": "key \'default\' accepted", "key_name": "default", "header": "authorization"}',
+        '{"ts": "2026-11-29T21:53:44.198Z", "level": "INFO", "service": "router", "event": "http.access", '
+        '"request_id": "40637df7", "msg": "GET /v1/models 200", "method": "GET", "path": "/v1/models", "status": 200}',
+    ]
+    records, _ = parse_lines(lines, "router.log")
+    timelines, background = build_timelines(records)
+    assert timelines == {} and len(background) == 2
