@@ -49,7 +49,7 @@ KV_CONSUMER_INCOMPLETE = "kv_consumer.incomplete"  # transfer_id, received, byte
 KV_CONSUMER_PROMPT_MISMATCH = "kv_consumer.prompt_mismatch"  # transfer_id, local_tokens, remote_tokens (router sent another prompt)
 
 # -- router ------------------------------------------------------------------------------------
-AUTH_ACCEPTED = "auth.accepted"  # key_name (never the key or its hash)
+AUTH_ACCEPTED = "auth.accepted"  # key_name (never the key or its hash); DEBUG: router.request_done carries key_name
 AUTH_REJECTED = "auth.rejected"  # reason: missing|malformed|whitespace|quoted|unknown|no_keys_configured, header
 AUTH_KEY_MISSING = "auth.key_missing"  # at start: api_key_env is unset or empty in the environment
 LIMIT_RATE = "limit.rate_limited"  # key_name, limit (rpm|tpm|concurrency), current, maximum

@@ -87,7 +87,7 @@ class KeyRing:
             if problem is None:
                 caller = self._match(token)
                 if caller is not None:
-                    log_event(events.AUTH_ACCEPTED, f"key {caller.name!r} accepted", key_name=caller.name, header=header.lower())
+                    log_event(events.AUTH_ACCEPTED, f"key {caller.name!r} accepted", "DEBUG", key_name=caller.name, header=header.lower())
                     return caller
                 problem = ("unknown", "Invalid API key: it matches no key configured on this router "
                            f"(the router reads its key from {self.key_env}; check the client sends the same value).",
