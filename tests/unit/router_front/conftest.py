@@ -145,9 +145,9 @@ async def engine() -> Any:
 
 @pytest.fixture
 def logs() -> io.StringIO:
-    """Everything the router logs during the test, as JSON lines."""
+    """Everything the router logs during the test, DEBUG lines included, as JSON lines."""
     sink = io.StringIO()
-    setup_logging("router", sink=sink)
+    setup_logging("router", level="DEBUG", sink=sink)
     return sink
 
 
