@@ -82,6 +82,19 @@ def per_request_samples(result: Result) -> dict[str, np.ndarray]:
     return {"ttft": ttft, "tpot": tpot, "itl": itl, "e2el": latency}
 
 
+def _save(fig, path: Path, title: str) -> Path:
+    """Title, layout and write one figure as PNG, then free it."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def comparison_chart(results: Mapping[str, Result], path: Path, title: str = "") -> Path:
     """PNG: CDFs of TTFT, TPOT and ITL per stack, and P99 bars side by side."""
     import matplotlib
@@ -114,13 +127,7 @@ def comparison_chart(results: Mapping[str, Result], path: Path, title: str = "")
     bar_ax.set_ylabel("P99 (ms, log scale)")
     bar_ax.set_title("P99 latency")
     bar_ax.legend()
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, title)
 
 
 def sweep_chart(sweep: Mapping[str, Sequence[Result]], path: Path, title: str = "") -> Path:
@@ -149,10 +156,4 @@ def sweep_chart(sweep: Mapping[str, Sequence[Result]], path: Path, title: str = 
         ax.set_title(heading)
         ax.grid(alpha=0.3)
         ax.legend()
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, title)
