@@ -28,7 +28,10 @@ async def serve(
     shutdown_timeout: float = 10.0,
 ) -> None:
     health = await start_health_server(health_port, host)
-    runner = web.AppRunner(app, access_log_class=AccessLogger, shutdown_timeout=shutdown_timeout)
+    # handler_cancellation: a client that disconnects cancels its handler, so a non-streamed request
+    # stops its upstream work too (the router's PD legs, the engine's sequence). aiohttp's TestServer,
+    # which the in-process tests use, does the same.
+    runner = web.AppRunner(app, access_log_class=AccessLogger, shutdown_timeout=shutdown_timeout, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

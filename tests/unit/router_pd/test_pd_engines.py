@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 
+import aiohttp
 import pytest
 
 from stack.common import events
 from stack.common.errors import InvalidRequest, Overloaded, UpstreamError
-from tests.unit.router_pd.conftest import relay_app
+from stack.common.health import SERVING, probe_async
+from tests.unit.router_pd.conftest import REPO, free_port, relay_app
 from tests.unit.router_pd.fake_engine import chunk_text
 
 MODEL = "your-model-id"
@@ -138,3 +143,48 @@ async def test_engine_rejection_keeps_status_and_message(engines, pd, logs):
         await client.complete("bad-n", "/v1/chat/completions", chat(n=3))
     assert caught.value.status == 400 and "n" in caught.value.message
     assert len(logs.events(events.ROUTER_PREFILL_FAILED)) == 1 and logs.events(events.ROUTER_UPSTREAM_ERROR)[0]["status"] == 400
+
+
+async def test_router_process_cancels_a_non_streamed_request_whose_client_left(engines, tmp_path):
+    """Through `python -m stack.router` itself: a non-streamed client that hangs up cancels the decode leg (KV freed)."""
+    prefill, decode = await engines("prefill", "decode", checkpoint="dummy:small")
+    port, health_port = free_port(), free_port()
+    settings = tmp_path / "router.toml"
+    settings.write_text(f"""
+[server]
+host = "127.0.0.1"
+port = {port}
+health_port = {health_port}
+[taotoken]
+api_key_env = "PD_TEST_KEY"
+[prefill]
+endpoint = "{prefill.url}"
+health_addrs = ["{prefill.health_addr}"]
+[decode]
+endpoint = "{decode.url}"
+health_addrs = ["{decode.health_addr}"]
+kv_addrs = ["{decode.kv_addr}"]
+[usage]
+db_path = "{tmp_path / 'usage.sqlite3'}"
+""")
+    log = tmp_path / "router.log"
+    router = subprocess.Popen([sys.executable, "-m", "stack.router", "--config", str(settings)], cwd=REPO,
+                              env={**os.environ, "PD_TEST_KEY": "k" * 32}, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30  # upper bound: router start on a busy 2-core box
+        while await probe_async(f"127.0.0.1:{health_port}", 1.0) != SERVING:
+            assert router.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            await asyncio.sleep(0.2)
+        body = {"model": "your-model-id", "max_tokens": 1500, "messages": [{"role": "user", "content": "Tell me everything."}]}
+        async with aiohttp.ClientSession() as session:
+            request = session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
+                                   headers={"Authorization": "Bearer " + "k" * 32, "X-Request-ID": "hangup"})
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(request, 2.0)  # the client gives up long before 1500 tokens
+        cancelled = await wait_for_event(decode, events.ENGINE_REQUEST_CANCELLED, "hangup", timeout_s=15)
+        assert cancelled["kv_blocks_freed"] > 0
+    finally:
+        router.terminate()
+        router.wait(15)
+    done = [line for line in log.read_text().splitlines() if '"router.request_done"' in line and '"hangup"' in line]
+    assert done and '"status": 499' in done[0]
