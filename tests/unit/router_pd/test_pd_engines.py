@@ -175,7 +175,7 @@ db_path = "{tmp_path / 'usage.sqlite3'}"
         while await probe_async(f"127.0.0.1:{health_port}", 1.0) != SERVING:
             assert router.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
             await asyncio.sleep(0.2)
-        body = {"model": "your-model-id", "max_tokens": 1500, "messages": [{"role": "user", "content": "Tell me everything."}]}
+        body = {"model": "your-model-id", "max_tokens": 1500, "ignore_eos": True, "messages": [{"role": "user", "content": "Tell me everything."}]}
         async with aiohttp.ClientSession() as session:
             request = session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
                                    headers={"Authorization": "Bearer " + "k" * 32, "X-Request-ID": "hangup"})
