@@ -70,9 +70,9 @@ async def fake() -> AsyncIterator[Callable[..., Any]]:
         await engine.stop()
 
 
-def pool(engines: Sequence[Any], max_concurrent: int = 8) -> PoolConfig:
+def pool(engines: Sequence[Any], max_concurrent: int = 8, health_check: str = "grpc") -> PoolConfig:
     """A PoolConfig over started engines (anything with url, health_addr and optionally kv_addr)."""
-    return PoolConfig(endpoints=tuple(e.url for e in engines), max_concurrent=max_concurrent,
+    return PoolConfig(endpoints=tuple(e.url for e in engines), max_concurrent=max_concurrent, health_check=health_check,
                       health_addrs=tuple(e.health_addr for e in engines),
                       kv_addrs=tuple(getattr(e, "kv_addr", "127.0.0.1:1") for e in engines))
 
@@ -82,9 +82,11 @@ async def pd(session: aiohttp.ClientSession) -> AsyncIterator[Callable[..., Any]
     """Build and start a PDClient: await pd(prefills, decodes, max_concurrent=…, **scheduler settings)."""
     clients: list[PDClient] = []
 
-    async def build(prefills: Sequence[Any], decodes: Sequence[Any], max_concurrent: int = 8, **settings: Any) -> PDClient:
+    async def build(prefills: Sequence[Any], decodes: Sequence[Any], max_concurrent: int = 8, health_check: str = "grpc",
+                    **settings: Any) -> PDClient:
         settings.setdefault("health_interval_ms", 200)
-        client = PDClient(pool(prefills, max_concurrent), pool(decodes, max_concurrent), SchedulerConfig(**settings), session, Metrics())
+        client = PDClient(pool(prefills, max_concurrent, health_check), pool(decodes, max_concurrent, health_check),
+                          SchedulerConfig(**settings), session, Metrics())
         await client.start()
         clients.append(client)
         return client
@@ -180,6 +182,29 @@ class EngineProcess:
     def events(self, name: str) -> list[dict[str, Any]]:
         lines = [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
         return [line for line in lines if line.get("event") == name]
+
+
+def router_settings(tmp_path: Path, name: str, prefill: Any, decode: Any, model_id: str, server: str = "") -> Path:
+    """A settings.toml for a router over real engines; `server` adds [server] lines (port, health_port)."""
+    path = tmp_path / f"{name}.toml"
+    path.write_text(f"""
+[server]
+host = "127.0.0.1"
+{server}
+[taotoken]
+api_key_env = "PD_TEST_KEY"
+model_id = "{model_id}"
+[prefill]
+endpoint = "{prefill.url}"
+health_addrs = ["{prefill.health_addr}"]
+[decode]
+endpoint = "{decode.url}"
+health_addrs = ["{decode.health_addr}"]
+kv_addrs = ["{decode.kv_addr}"]
+[usage]
+db_path = "{tmp_path / (name + '.sqlite3')}"
+""")
+    return path
 
 
 def free_port() -> int:

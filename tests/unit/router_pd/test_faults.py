@@ -10,10 +10,6 @@ import pytest
 
 from stack.common import events
 from stack.common.errors import InvalidRequest, Overloaded, RateLimited, UpstreamError, UpstreamTimeout
-from stack.router.backends import PoolConfig
-from stack.router.metrics import Metrics
-from stack.router.pd import PDClient
-from stack.router.scheduler import SchedulerConfig
 from tests.unit.router_pd.conftest import relay_app
 from tests.unit.router_pd.fake_engine import VLLM_NIXL_PREFILL_PARAMS, Faults, chunk_text
 
@@ -160,37 +156,13 @@ async def test_breaker_opens_then_recovers(fake, pd, logs):
     assert states == ["open", "half_open", "closed"]
 
 
-async def test_http_health_check_for_vllm_engines(fake, session, logs):
-    """With health_check = "http" (vLLM engines serve GET /health, no gRPC), a 503 takes a decode out and a 200 brings it back."""
+@pytest.mark.parametrize("health_check", ["grpc", "http"])
+async def test_health_monitor_takes_a_backend_out_and_back(fake, pd, logs, health_check):
+    """A decode whose health turns bad gets no requests until it is good again: gRPC NOT_SERVING for our engines,
+    GET /health 503 for vLLM engines (health_check = "http", which serve no gRPC)."""
     prefill = await fake("prefill")
     first, second = await fake("decode"), await fake("decode")
-
-    def http_pool(engines):
-        return PoolConfig(endpoints=tuple(e.url for e in engines), health_check="http",
-                          kv_addrs=tuple(getattr(e, "kv_addr", "127.0.0.1:1") for e in engines))
-
-    client = PDClient(http_pool([prefill]), http_pool([first, second]), SchedulerConfig(health_interval_ms=50), session, Metrics())
-    await client.start()
-    try:
-        await first.set_health(False)
-        await asyncio.sleep(0.3)
-        for i in range(3):
-            await client.complete(f"v{i}", "/v1/chat/completions", dict(CHAT))
-        assert len(first.seen) == 0 and len(second.seen) == 3
-        await first.set_health(True)
-        await asyncio.sleep(0.3)
-        assert client.health_snapshot()["backends"][1]["state"] == "up"
-    finally:
-        await client.close()
-    down = [e for e in logs.events(events.BACKEND_HEALTH) if e["backend"] == first.url]
-    assert [e["state"] for e in down] == ["down", "up"] and "http health" in down[0]["reason"]
-
-
-async def test_health_monitor_takes_a_backend_out_and_back(fake, pd, logs):
-    """A decode whose gRPC health turns NOT_SERVING gets no requests until it is SERVING again."""
-    prefill = await fake("prefill")
-    first, second = await fake("decode"), await fake("decode")
-    client = await pd([prefill], [first, second], health_interval_ms=50)
+    client = await pd([prefill], [first, second], health_check=health_check, health_interval_ms=50)
     await first.set_health(False)
     await asyncio.sleep(0.3)
     for i in range(3):
@@ -200,7 +172,7 @@ async def test_health_monitor_takes_a_backend_out_and_back(fake, pd, logs):
     await asyncio.sleep(0.3)
     assert client.health_snapshot()["backends"][1]["state"] == "up"
     down = [e for e in logs.events(events.BACKEND_HEALTH) if e["backend"] == first.url]
-    assert [e["state"] for e in down] == ["down", "up"]
+    assert [e["state"] for e in down] == ["down", "up"] and f"{health_check} health" in down[0]["reason"]
 
 
 async def test_in_band_error_and_closed_stream_through_an_app(fake, pd, aiohttp_client):

@@ -14,7 +14,7 @@ import pytest
 from stack.common import events
 from stack.common.errors import InvalidRequest, Overloaded, UpstreamError
 from stack.common.health import SERVING, probe_async
-from tests.unit.router_pd.conftest import REPO, free_port, relay_app
+from tests.unit.router_pd.conftest import REPO, free_port, relay_app, router_settings
 from tests.unit.router_pd.fake_engine import chunk_text
 
 MODEL = "your-model-id"
@@ -149,24 +149,8 @@ async def test_router_process_cancels_a_non_streamed_request_whose_client_left(e
     """Through `python -m stack.router` itself: a non-streamed client that hangs up cancels the decode leg (KV freed)."""
     prefill, decode = await engines("prefill", "decode", checkpoint="dummy:small")
     port, health_port = free_port(), free_port()
-    settings = tmp_path / "router.toml"
-    settings.write_text(f"""
-[server]
-host = "127.0.0.1"
-port = {port}
-health_port = {health_port}
-[taotoken]
-api_key_env = "PD_TEST_KEY"
-[prefill]
-endpoint = "{prefill.url}"
-health_addrs = ["{prefill.health_addr}"]
-[decode]
-endpoint = "{decode.url}"
-health_addrs = ["{decode.health_addr}"]
-kv_addrs = ["{decode.kv_addr}"]
-[usage]
-db_path = "{tmp_path / 'usage.sqlite3'}"
-""")
+    settings = router_settings(tmp_path, "router", prefill, decode, "your-model-id",
+                               server=f"port = {port}\nhealth_port = {health_port}")
     log = tmp_path / "router.log"
     router = subprocess.Popen([sys.executable, "-m", "stack.router", "--config", str(settings)], cwd=REPO,
                               env={**os.environ, "PD_TEST_KEY": "k" * 32}, stdout=log.open("wb"), stderr=subprocess.STDOUT)

@@ -11,31 +11,11 @@ import openai
 
 from stack.router import config as router_config
 from stack.router.app import create_app
+from tests.unit.router_pd.conftest import router_settings
 
 KEY = "pd-test-key-0123456789abcdefghij"
 MODEL = "public-model"
 PROMPT = [{"role": "user", "content": "Tell me about disaggregated serving."}]
-
-
-def settings(tmp_path: Path, name: str, prefill: Any, decode: Any) -> Path:
-    path = tmp_path / f"{name}.toml"
-    path.write_text(f"""
-[server]
-host = "127.0.0.1"
-[taotoken]
-api_key_env = "PD_TEST_KEY"
-model_id = "{MODEL}"
-[prefill]
-endpoint = "{prefill.url}"
-health_addrs = ["{prefill.health_addr}"]
-[decode]
-endpoint = "{decode.url}"
-health_addrs = ["{decode.health_addr}"]
-kv_addrs = ["{decode.kv_addr}"]
-[usage]
-db_path = "{tmp_path / (name + '.sqlite3')}"
-""")
-    return path
 
 
 async def start_router(aiohttp_client: Any, path: Path) -> Any:
@@ -46,8 +26,8 @@ async def start_router(aiohttp_client: Any, path: Path) -> Any:
 async def test_sdks_over_pd_match_colocated(engines, aiohttp_client, tmp_path, logs):
     """openai (streamed and not) and anthropic (streamed) through the PD router give the colocated router's answers."""
     prefill, decode, both = await engines("prefill", "decode", "both")
-    pd_router = await start_router(aiohttp_client, settings(tmp_path, "pd", prefill, decode))
-    co_router = await start_router(aiohttp_client, settings(tmp_path, "co", both, both))
+    pd_router = await start_router(aiohttp_client, router_settings(tmp_path, "pd", prefill, decode, MODEL))
+    co_router = await start_router(aiohttp_client, router_settings(tmp_path, "co", both, both, MODEL))
     answers: dict[str, tuple[str, str, str]] = {}
     for name, router in (("pd", pd_router), ("co", co_router)):
         oai = openai.AsyncOpenAI(base_url=str(router.make_url("/v1")), api_key=KEY, max_retries=0)
