@@ -3,7 +3,8 @@
 Serving side: `health = await start_health_server(port)`; it answers NOT_SERVING until the service
 calls `await health.set_serving()` after warm-up. Probe side: `probe("prefill:50051")` returns the
 status name, and `python -m stack.common.health HOST:PORT` exits 0 only when SERVING (used by the
-compose health checks and by the router's backend monitor).
+compose health checks and by the router's backend monitor). A probe that fails says how: UNREACHABLE
+(nothing answered the connection) or TIMEOUT (no answer within the deadline; a busy host or a cut network).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 SERVING = "SERVING"
 NOT_SERVING = "NOT_SERVING"
 UNREACHABLE = "UNREACHABLE"
+TIMEOUT = "TIMEOUT"
 
 
 class HealthServer:
@@ -49,17 +51,21 @@ async def start_health_server(port: int, host: str = "0.0.0.0") -> HealthServer:
     return HealthServer(server, servicer, bound)
 
 
+def _failure_name(err: grpc.RpcError) -> str:
+    return TIMEOUT if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED else UNREACHABLE
+
+
 def _status_name(response: health_pb2.HealthCheckResponse) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
 async def probe_async(address: str, timeout: float = 2.0) -> str:
-    """Status of the service at address: SERVING, NOT_SERVING, … or UNREACHABLE."""
+    """Status of the service at address: SERVING, NOT_SERVING, …, UNREACHABLE or TIMEOUT."""
     async with grpc.aio.insecure_channel(address) as channel:
         try:
             response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        except grpc.aio.AioRpcError:
-            return UNREACHABLE
+        except grpc.aio.AioRpcError as err:
+            return _failure_name(err)
     return _status_name(response)
 
 
@@ -68,8 +74,8 @@ def probe(address: str, timeout: float = 2.0) -> str:
     with grpc.insecure_channel(address) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        except grpc.RpcError:
-            return UNREACHABLE
+        except grpc.RpcError as err:
+            return _failure_name(err)
     return _status_name(response)
 
 

@@ -143,6 +143,7 @@ class Backend:
         self.health_check = health_check
         self.breaker = breaker
         self.up = True  # until the health monitor or a connect error says otherwise
+        self.probe_timeouts = 0  # consecutive health probes that got no answer in time
         self.in_flight = 0
         self.outstanding_tokens = 0
 

@@ -25,7 +25,7 @@ from loguru import logger
 
 from stack.common import events
 from stack.common.errors import UpstreamError
-from stack.common.health import NOT_SERVING, SERVING, UNREACHABLE, probe_async
+from stack.common.health import NOT_SERVING, SERVING, TIMEOUT, UNREACHABLE, probe_async
 from stack.common.logging import log_event
 from stack.common.sse import DONE, read_events
 from stack.router.backends import Backend, PoolConfig, build_pool, check_topology, is_colocated
@@ -167,20 +167,26 @@ class PDClient:
         states = await asyncio.gather(*(self._probe(b, probe_timeout) for b in self.backends))
         changed = False
         for backend, state in zip(self.backends, states):
-            if backend.set_up(state == SERVING, f"{backend.health_check} health {state} at {backend.health_addr}"):
+            backend.probe_timeouts = backend.probe_timeouts + 1 if state == TIMEOUT else 0
+            if 0 < backend.probe_timeouts < self.config.health_timeouts_to_down:
+                continue
+            times = f" x{backend.probe_timeouts}" if backend.probe_timeouts else ""
+            if backend.set_up(state == SERVING, f"{backend.health_check} health {state}{times} at {backend.health_addr}"):
                 self.scheduler.wake_all(self.scheduler.role_of(backend))
                 changed = True
         if changed and not self._model_learned:
             await self._learn_model()  # the engines were down at start-up
 
     async def _probe(self, backend: Backend, timeout_s: float) -> str:
-        """SERVING, NOT_SERVING or UNREACHABLE, over gRPC health or (vLLM engines) GET /health."""
+        """SERVING, NOT_SERVING, UNREACHABLE or TIMEOUT, over gRPC health or (vLLM engines) GET /health."""
         if backend.health_check == "grpc":
             return await probe_async(backend.health_addr, timeout_s)
         try:
             async with self.session.get(backend.health_addr, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
                 return SERVING if response.status == 200 else NOT_SERVING
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except asyncio.TimeoutError:
+            return TIMEOUT
+        except aiohttp.ClientError:
             return UNREACHABLE
 
     async def _learn_model(self) -> None:

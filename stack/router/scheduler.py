@@ -32,6 +32,9 @@ class SchedulerConfig:
     queue_timeout_ms: int = 10_000  # longest wait for a slot; then 503 + Retry-After
     max_retries: int = 2  # extra attempts after a retryable failure (another prefill; or a new pair before decode's first byte)
     health_interval_ms: int = 2000  # gRPC health probe period; 0 = no active checks (breakers only)
+    # Probe timeouts in a row before a backend counts as down (Kubernetes' failureThreshold): a slow answer on a
+    # busy host is not a dead engine. NOT_SERVING or a refused connection takes it out at once.
+    health_timeouts_to_down: int = 3
     breaker_failures: int = 5  # consecutive failures that open a backend's circuit
     breaker_cooldown_ms: int = 10_000  # an open circuit lets one trial request through after this
     connect_timeout_ms: int = 2000  # TCP connect to an engine
@@ -42,7 +45,8 @@ class SchedulerConfig:
     default_max_tokens: int = 256  # load estimate for requests that do not say max_tokens
 
     def __post_init__(self) -> None:
-        for name in ("kv_transfer_timeout_ms", "queue_timeout_ms", "breaker_failures", "breaker_cooldown_ms", "connect_timeout_ms",
+        for name in ("kv_transfer_timeout_ms", "queue_timeout_ms", "breaker_failures", "breaker_cooldown_ms", "health_timeouts_to_down",
+                     "connect_timeout_ms",
                      "prefill_timeout_ms", "first_token_timeout_ms", "idle_timeout_ms", "request_timeout_ms", "default_max_tokens"):
             check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         for name in ("queue_size", "max_retries", "health_interval_ms"):

@@ -9,7 +9,7 @@ from aiohttp import web
 from loguru import logger
 
 from stack.common import events
-from stack.common.health import NOT_SERVING, SERVING, UNREACHABLE, probe, probe_async, start_health_server
+from stack.common.health import NOT_SERVING, SERVING, TIMEOUT, UNREACHABLE, probe, probe_async, start_health_server
 from stack.common.logging import log_event, register_secret, setup_logging
 from stack.common.sse import DONE, open_stream, read_events, send_done, send_event
 
@@ -64,3 +64,10 @@ async def test_health_not_serving_until_set() -> None:
     finally:
         await health.stop()
     assert probe("127.0.0.1:1", timeout=0.5) == UNREACHABLE
+
+
+async def test_health_probe_tells_a_timeout_from_a_refusal(silent_address) -> None:
+    """A listener that never answers is TIMEOUT (maybe just busy), not UNREACHABLE (nothing there): the router
+    treats the two differently."""
+    assert await probe_async(silent_address, 0.3) == TIMEOUT
+    assert await probe_async("127.0.0.1:1", 0.3) == UNREACHABLE

@@ -119,9 +119,9 @@ async def test_in_band_errors_close_each_stream_in_its_own_shape(router) -> None
     assert "message_stop" not in [event for event, _ in events]
 
 
-async def test_responses_stream_helper_reaches_completed_when_the_engine_stops(router) -> None:
+async def test_responses_stream_helper_reaches_completed_when_the_engine_stops(router, sdk) -> None:
     """When the engine stops on its own (finish_reason stop), `client.responses.stream` gets response.completed."""
-    client = openai.AsyncOpenAI(base_url=str(router.make_url("/v1")), api_key=KEY, max_retries=0)
+    client = sdk(openai.AsyncOpenAI, base_url=str(router.make_url("/v1")), api_key=KEY)
     async with client.responses.stream(model=MODEL, input="hi", max_output_tokens=10) as stream:  # the stand-in stops at 10
         deltas = [event.delta async for event in stream if event.type == "response.output_text.delta"]
         final = await stream.get_final_response()

@@ -23,14 +23,14 @@ async def router(make_router, real_engine):
 
 
 @pytest.fixture
-def oai(router) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=str(router.make_url("/v1")), api_key=KEY, max_retries=0)
+def oai(router, sdk) -> openai.AsyncOpenAI:
+    return sdk(openai.AsyncOpenAI, base_url=str(router.make_url("/v1")), api_key=KEY)
 
 
 @pytest.fixture
-def claude(router) -> anthropic.AsyncAnthropic:
+def claude(router, sdk) -> anthropic.AsyncAnthropic:
     # Claude Code's setup: base URL without /v1, the unified key as the auth token (Bearer).
-    return anthropic.AsyncAnthropic(base_url=str(router.make_url("")), auth_token=KEY, max_retries=0)
+    return sdk(anthropic.AsyncAnthropic, base_url=str(router.make_url("")), auth_token=KEY)
 
 
 def _messages() -> list[dict[str, str]]:
@@ -119,15 +119,15 @@ async def test_anthropic_count_tokens(claude) -> None:
     assert 0 < short.input_tokens < long.input_tokens
 
 
-async def test_sdk_errors_map_to_their_exception_classes(router) -> None:
+async def test_sdk_errors_map_to_their_exception_classes(router, sdk) -> None:
     """A wrong key and an unknown model become each SDK's AuthenticationError and NotFoundError with our message."""
-    bad_oai = openai.AsyncOpenAI(base_url=str(router.make_url("/v1")), api_key="not-the-key-123", max_retries=0)
+    bad_oai = sdk(openai.AsyncOpenAI, base_url=str(router.make_url("/v1")), api_key="not-the-key-123")
     with pytest.raises(openai.AuthenticationError, match="matches no key"):
         await bad_oai.chat.completions.create(model=MODEL, messages=_messages())
-    good_oai = openai.AsyncOpenAI(base_url=str(router.make_url("/v1")), api_key=KEY, max_retries=0)
+    good_oai = sdk(openai.AsyncOpenAI, base_url=str(router.make_url("/v1")), api_key=KEY)
     with pytest.raises(openai.NotFoundError, match="does not exist on this router"):
         await good_oai.chat.completions.create(model="nope", messages=_messages())
-    bad_claude = anthropic.AsyncAnthropic(base_url=str(router.make_url("")), api_key="not-the-key-123", max_retries=0)
+    bad_claude = sdk(anthropic.AsyncAnthropic, base_url=str(router.make_url("")), api_key="not-the-key-123")
     with pytest.raises(anthropic.AuthenticationError, match="matches no key"):
         await bad_claude.messages.create(model=MODEL, max_tokens=4, messages=_messages())
 
@@ -143,10 +143,10 @@ async def _router_over_doomed_engine(make_router, tmp_path, name: str):
     return engine, await make_router(backend=engine)
 
 
-async def test_engine_killed_mid_stream_surfaces_in_openai_chat(make_router, tmp_path) -> None:
+async def test_engine_killed_mid_stream_surfaces_in_openai_chat(make_router, tmp_path, sdk) -> None:
     """Engine killed after the first chunk: the openai SDK raises APIError from the in-band error, after the text sent."""
     engine, router = await _router_over_doomed_engine(make_router, tmp_path, "chat")
-    client = openai.AsyncOpenAI(base_url=str(router.make_url("/v1")), api_key=KEY, max_retries=0)
+    client = sdk(openai.AsyncOpenAI, base_url=str(router.make_url("/v1")), api_key=KEY)
     try:
         stream = await client.chat.completions.create(model=MODEL, messages=_messages(), max_tokens=LONG, temperature=0,
                                                       stream=True)
@@ -161,10 +161,10 @@ async def test_engine_killed_mid_stream_surfaces_in_openai_chat(make_router, tmp
         engine.stop()
 
 
-async def test_engine_killed_mid_stream_surfaces_in_anthropic(make_router, tmp_path) -> None:
+async def test_engine_killed_mid_stream_surfaces_in_anthropic(make_router, tmp_path, sdk) -> None:
     """Engine killed mid-stream: the anthropic SDK raises on the `event: error` frame instead of hanging."""
     engine, router = await _router_over_doomed_engine(make_router, tmp_path, "messages")
-    client = anthropic.AsyncAnthropic(base_url=str(router.make_url("")), auth_token=KEY, max_retries=0)
+    client = sdk(anthropic.AsyncAnthropic, base_url=str(router.make_url("")), auth_token=KEY)
     try:
         pieces = []
         with pytest.raises(anthropic.APIStatusError, match="engine"):
@@ -179,10 +179,10 @@ async def test_engine_killed_mid_stream_surfaces_in_anthropic(make_router, tmp_p
         engine.stop()
 
 
-async def test_engine_killed_mid_stream_ends_responses_with_failed(make_router, tmp_path) -> None:
+async def test_engine_killed_mid_stream_ends_responses_with_failed(make_router, tmp_path, sdk) -> None:
     """Engine killed mid-stream: a Responses stream ends with response.failed carrying the reason."""
     engine, router = await _router_over_doomed_engine(make_router, tmp_path, "responses")
-    client = openai.AsyncOpenAI(base_url=str(router.make_url("/v1")), api_key=KEY, max_retries=0)
+    client = sdk(openai.AsyncOpenAI, base_url=str(router.make_url("/v1")), api_key=KEY)
     try:
         events = []
         async for event in await client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=LONG, temperature=0,

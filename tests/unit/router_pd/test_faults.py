@@ -175,6 +175,26 @@ async def test_health_monitor_takes_a_backend_out_and_back(fake, pd, logs, healt
     assert [e["state"] for e in down] == ["down", "up"] and f"{health_check} health" in down[0]["reason"]
 
 
+async def test_health_probe_timeouts_take_a_backend_out_only_after_several_in_a_row(fake, pd, logs, silent_address):
+    """A decode whose health endpoint stops answering keeps serving through health_timeouts_to_down - 1 missed
+    probes (one slow answer on a busy host is not a dead engine), and is taken out when the misses go on."""
+    prefill, decode = await fake("prefill"), await fake("decode")
+    decode.health_addr = silent_address
+    client = await pd([prefill], [decode], health_interval_ms=100, health_timeouts_to_down=3)
+    def decode_state():
+        return next(b["state"] for b in client.health_snapshot()["backends"] if b["url"] == decode.url)
+
+    # start() has run one probe round: one timeout, still up, so the request is served.
+    assert decode_state() == "up"
+    assert (await client.complete("t1", "/v1/chat/completions", dict(CHAT)))["usage"]["completion_tokens"] == 4
+    deadline = time.monotonic() + 10
+    while decode_state() == "up":
+        assert time.monotonic() < deadline, "three probe timeouts in a row did not take the decode out"
+        await asyncio.sleep(0.05)
+    [down] = [e for e in logs.events(events.BACKEND_HEALTH) if e["backend"] == decode.url]
+    assert down["state"] == "down" and down["reason"] == f"grpc health TIMEOUT x3 at {silent_address}"
+
+
 async def test_in_band_error_and_closed_stream_through_an_app(fake, pd, aiohttp_client):
     """Through an HTTP front: a mid-stream decode death reaches the client as an in-band error event, then the stream closes."""
     client = await pd([await fake("prefill")], [await fake("decode", tokens=6, faults=Faults(die_after_chunks=2))])

@@ -23,18 +23,18 @@ async def start_router(aiohttp_client: Any, path: Path) -> Any:
     return await aiohttp_client(app)
 
 
-async def test_sdks_over_pd_match_colocated(engines, aiohttp_client, tmp_path, logs):
+async def test_sdks_over_pd_match_colocated(engines, aiohttp_client, tmp_path, logs, sdk):
     """openai (streamed and not) and anthropic (streamed) through the PD router give the colocated router's answers."""
     prefill, decode, both = await engines("prefill", "decode", "both")
     pd_router = await start_router(aiohttp_client, router_settings(tmp_path, "pd", prefill, decode, MODEL))
     co_router = await start_router(aiohttp_client, router_settings(tmp_path, "co", both, both, MODEL))
     answers: dict[str, tuple[str, str, str]] = {}
     for name, router in (("pd", pd_router), ("co", co_router)):
-        oai = openai.AsyncOpenAI(base_url=str(router.make_url("/v1")), api_key=KEY, max_retries=0)
+        oai = sdk(openai.AsyncOpenAI, base_url=str(router.make_url("/v1")), api_key=KEY)
         full = await oai.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=10, temperature=0)
         stream = await oai.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=10, temperature=0, stream=True)
         streamed = "".join([c.choices[0].delta.content or "" async for c in stream])
-        claude = anthropic.AsyncAnthropic(base_url=str(router.make_url("")), api_key=KEY, max_retries=0)
+        claude = sdk(anthropic.AsyncAnthropic, base_url=str(router.make_url("")), api_key=KEY)
         # This SDK version has no `temperature` argument; the Messages API does.
         events = await claude.messages.create(model=MODEL, messages=PROMPT, max_tokens=10, stream=True, extra_body={"temperature": 0})
         claude_text = "".join([e.delta.text async for e in events if e.type == "content_block_delta"])
