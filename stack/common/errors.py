@@ -18,7 +18,7 @@ from aiohttp import web
 from loguru import logger
 
 from stack.common import events
-from stack.common.logging import REQUEST_ID, log_event
+from stack.common.logging import REQUEST_ID, log_event, request_context
 
 REQUEST_ID_HEADER = "X-Request-ID"
 
@@ -148,7 +148,7 @@ async def request_id_middleware(request: web.Request, handler: Callable[[web.Req
     """Accept X-Request-ID (or mint one), log under it, and echo it back."""
     request_id = request.headers.get(REQUEST_ID_HEADER, "").strip()[:128] or uuid.uuid4().hex
     request[REQUEST_ID] = request_id
-    with logger.contextualize(request_id=request_id):
+    with request_context(request_id):
         response = await handler(request)
     if not response.prepared:
         response.headers[REQUEST_ID_HEADER] = request_id

@@ -54,6 +54,7 @@ def _started(stack: Stack, service: str) -> float:
 
 
 def _chat_stream(stack: Stack, request_id: str, **kw: Any) -> str:
+    kw.setdefault("seed", 5)  # a seeded sample: the random-weight model cannot answer EOS first by chance
     stream = _client(stack).chat.completions.create(
         model="your-model-id", messages=PROMPT, stream=True, extra_headers={"X-Request-ID": request_id}, **kw)
     return "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
@@ -107,18 +108,23 @@ def test_streamed_chat_goes_through_prefill_then_decode(pd_stack: Stack) -> None
 def test_killing_decode_mid_stream_is_a_clean_error_and_recovers(pd_stack: Stack) -> None:
     """docker kill decode during a stream: the SDK raises an API error, the router marks decode down, then serves again."""
     decode = pd_stack.container("decode")
-    stream = _client(pd_stack, timeout=60).chat.completions.create(
-        model="your-model-id", messages=PROMPT, stream=True, max_tokens=400, extra_headers={"X-Request-ID": "it-kill"})
-    with pytest.raises(openai.APIError) as raised:
-        for index, _chunk in enumerate(stream):
-            if index == 2:
-                decode.kill()
-    assert raised.value.message
-    # Bounds: the router's gRPC health probe notices within a few probe intervals; 30 s only catches a hang.
-    assert _wait_decode_state(pd_stack, "down", timeout_s=30) == "down"
-    assert any(e["event"] == "router.decode_failed" and e.get("mid_stream") for e in pd_stack.events("router", "it-kill"))
-
-    decode.start()
+    try:
+        # ignore_eos: the random-weight model may sample EOS within a few tokens; the stream must outlast the kill.
+        stream = _client(pd_stack, timeout=60).chat.completions.create(
+            model="your-model-id", messages=PROMPT, stream=True, max_tokens=400, extra_body={"ignore_eos": True},
+            extra_headers={"X-Request-ID": "it-kill"})
+        with pytest.raises(openai.APIError) as raised:
+            for index, _chunk in enumerate(stream):
+                if index == 2:
+                    decode.kill()
+        assert raised.value.message
+        # Bounds: the router's gRPC health probe notices within a few probe intervals; 30 s only catches a hang.
+        assert _wait_decode_state(pd_stack, "down", timeout_s=30) == "down"
+        assert any(e["event"] == "router.decode_failed" and e.get("mid_stream") for e in pd_stack.events("router", "it-kill"))
+    finally:
+        decode.reload()
+        if decode.status != "running":  # the later tests need a decode, whatever happened above
+            decode.start()
     pd_stack.wait_healthy("decode")
     assert _wait_decode_state(pd_stack, "up", timeout_s=60) == "up"
     assert _chat_stream(pd_stack, "it-after-kill", max_tokens=8)

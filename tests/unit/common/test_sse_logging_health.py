@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 
 from aiohttp import web
-from loguru import logger
 
 from stack.common import events
 from stack.common.health import NOT_SERVING, SERVING, TIMEOUT, UNREACHABLE, probe, probe_async, start_health_server
-from stack.common.logging import log_event, register_secret, setup_logging
+from stack.common.logging import log_event, register_secret, request_context, setup_logging
 from stack.common.sse import DONE, open_stream, read_events, send_done, send_event
 
 
@@ -42,7 +42,7 @@ def test_log_lines_are_flat_json_with_request_id_and_no_secrets() -> None:
     sink = io.StringIO()
     setup_logging("router", sink=sink)
     register_secret("pd-test-secret-value")
-    with logger.contextualize(request_id="req-1"):
+    with request_context(request_id="req-1"):
         log_event(events.AUTH_REJECTED, "got pd-test-secret-value from Bearer abc.def", reason="unknown", header="Bearer sk-abcdef123456")
     line = json.loads(sink.getvalue().strip())
     assert line["service"] == "router"
@@ -52,6 +52,28 @@ def test_log_lines_are_flat_json_with_request_id_and_no_secrets() -> None:
     assert "pd-test-secret-value" not in sink.getvalue() and "abc.def" not in sink.getvalue()
     assert "sk-abcdef123456" not in sink.getvalue()
     assert line["msg"] == "got [REDACTED] from Bearer [REDACTED]"
+
+
+def test_stdlib_and_exception_lines_share_the_shape_and_levels_filter_both_paths() -> None:
+    """aiohttp/asyncio (stdlib) lines and logged exceptions come out as the same flat JSON with the request id;
+    below the configured level, neither log_event nor stdlib lines are written."""
+    sink = io.StringIO()
+    setup_logging("router", level="WARNING", sink=sink)
+    with request_context("req-9"):
+        logging.getLogger("aiohttp.server").error("Error handling request from %s", "10.0.0.1")
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            logging.getLogger("asyncio").exception("Task exception was never retrieved")
+        log_event(events.AUTH_ACCEPTED, "dropped: below WARNING", "DEBUG")
+        log_event(events.HTTP_ACCESS, "dropped: below WARNING")
+        logging.getLogger("grpc").info("dropped: below WARNING")
+    lines = [json.loads(line) for line in sink.getvalue().splitlines()]
+    assert [(line["level"], line["event"], line["request_id"], line["service"]) for line in lines] == [
+        ("ERROR", "log", "req-9", "router"), ("ERROR", "log", "req-9", "router")]
+    assert lines[0]["msg"] == "Error handling request from 10.0.0.1" and lines[0]["logger"] == "aiohttp.server"
+    assert lines[1]["exc"] == "RuntimeError: boom"
+    assert all(line["ts"].endswith("Z") for line in lines)
 
 
 async def test_health_not_serving_until_set() -> None:
