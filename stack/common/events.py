@@ -54,6 +54,7 @@ AUTH_REJECTED = "auth.rejected"  # reason: missing|malformed|whitespace|quoted|u
 AUTH_KEY_MISSING = "auth.key_missing"  # at start: api_key_env is unset or empty in the environment
 LIMIT_RATE = "limit.rate_limited"  # key_name, limit (rpm|tpm|concurrency), current, maximum
 LIMIT_QUOTA = "limit.quota_exhausted"  # key_name, used, quota
+USAGE_FLUSH_FAILED = "usage.flush_failed"  # db_path, requests (kept in memory, retried next interval), error
 ROUTER_REQUEST_RECEIVED = "router.request_received"  # api (chat|completions|messages|responses), model, stream
 ROUTER_SCHEDULED = "router.scheduled"  # prefill, decode, policy, mode (disaggregated|colocated), attempt
 ROUTER_QUEUED = "router.queued"  # all backend slots busy; queue_depth

@@ -6,6 +6,8 @@ streams end with their own terminal event and no `[DONE]`).
 
 Reading: `async for event, data in read_events(response.content)` yields `(event name or None,
 data string)` per frame; the caller decides whether `data` is JSON or `[DONE]`.
+`read_event_batches` yields the same frames grouped by network read, for a relay that forwards
+what arrived together in one write.
 """
 
 from __future__ import annotations
@@ -52,7 +54,14 @@ async def send_done(stream: web.StreamResponse) -> None:
 
 
 async def read_events(content: StreamReader) -> AsyncIterator[tuple[str | None, str]]:
-    """Parse SSE frames from an aiohttp response body as they arrive.
+    """Parse SSE frames from an aiohttp response body as they arrive (see read_event_batches)."""
+    async for batch in read_event_batches(content):
+        for item in batch:
+            yield item
+
+
+async def read_event_batches(content: StreamReader) -> AsyncIterator[list[tuple[str | None, str]]]:
+    """The frames of an aiohttp response body, as one non-empty list per network read that completed any.
 
     Comment lines (`:` heartbeats) are skipped; multi-line `data:` fields are joined with `\\n`
     as the SSE spec says. A final frame without its blank line is still yielded.
@@ -65,11 +74,12 @@ async def read_events(content: StreamReader) -> AsyncIterator[tuple[str | None, 
     async for block in content.iter_any():
         lines = (pending + block).split(b"\n") if pending else block.split(b"\n")
         pending = lines.pop()
+        batch: list[tuple[str | None, str]] = []
         for raw in lines:
             line = raw.decode("utf-8").rstrip("\r")
             if not line:
                 if data_lines:
-                    yield event, "\n".join(data_lines)
+                    batch.append((event, "\n".join(data_lines)))
                 event, data_lines = None, []
             elif line.startswith("data:"):
                 data_lines.append(line[5:].removeprefix(" "))
@@ -77,10 +87,12 @@ async def read_events(content: StreamReader) -> AsyncIterator[tuple[str | None, 
                 continue
             elif line.startswith("event:"):
                 event = line[6:].strip()
+        if batch:
+            yield batch
     line = pending.decode("utf-8").rstrip("\r")
     if line.startswith("data:"):
         data_lines.append(line[5:].removeprefix(" "))
     elif line.startswith("event:"):
         event = line[6:].strip()
     if data_lines:
-        yield event, "\n".join(data_lines)
+        yield [(event, "\n".join(data_lines))]

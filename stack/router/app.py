@@ -23,7 +23,7 @@ from stack.common.logging import log_event
 from stack.router.api import anthropic, openai, responses
 from stack.router.appkeys import CALLER, CONFIG, KEYRING, LIMITER, METRICS, PD, STREAM_ERROR, TOKENS, USAGE
 from stack.router.auth import Caller, KeyRing
-from stack.router.config import RouterConfig, load_keys_file
+from stack.router.config import RouterConfig, UsageConfig, load_keys_file
 from stack.router.limits import Limiter
 from stack.router.metrics import Metrics
 from stack.router.pd import PDClient
@@ -145,15 +145,29 @@ def _open_usage(config: RouterConfig) -> UsageStore:
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
-    """One upstream ClientSession and the PD client for the app's lifetime; the usage file closed last."""
+    """One upstream ClientSession, the PD client and the usage writer for the app's lifetime; the usage file closed last."""
     config = app[CONFIG]
+    writer = asyncio.create_task(_write_usage(app[USAGE], config.usage), name="usage-writer")
     # One tuned session (no connection cap, no total timeout: the PD client sets per-leg timeouts).
     async with new_session() as session:
         pd = PDClient(config.prefill, config.decode, config.scheduler, session, app[METRICS], model_id=config.taotoken.model_id)
         app[PD] = pd
-        await pd.start()
         try:
+            await pd.start()
             yield
         finally:
+            writer.cancel()
+            await asyncio.gather(writer, return_exceptions=True)
             await pd.close()
-            app[USAGE].close()
+            app[USAGE].close()  # writes what is still queued
+
+
+async def _write_usage(store: UsageStore, config: UsageConfig) -> None:
+    """Write finished requests to the usage file once per interval (see usage.py for why not one by one)."""
+    while True:
+        await asyncio.sleep(config.flush_interval_ms / 1000)
+        try:
+            store.flush()
+        except sqlite3.Error as exc:  # a full disk must not stop the router; the totals in memory stay right
+            log_event(events.USAGE_FLUSH_FAILED, f"cannot write usage to {config.db_path}: {exc}; retrying", "ERROR",
+                      db_path=config.db_path, requests=store.pending, error=str(exc))

@@ -1,6 +1,6 @@
 """Router overhead: the real router process against calling a trivially fast backend directly.
 
-    python -m stack.router.benchmark [--requests 2000] [--concurrency 32] [--stream-tokens 200] [--pin]
+    python -m stack.router.benchmark [--requests 2000] [--concurrency 32] [--stream-tokens 200] [--stream-pace-ms 0] [--pin]
 
 One run starts a fake backend (answers at once; prefill legs get kv_transfer_params) on two ports,
 measures it alone (the machine-speed reference), then each router setup — the full router
@@ -9,7 +9,10 @@ alone), each colocated (one upstream request) and disaggregated (prefill leg + d
   latency   sequential non-streamed requests: p50/p99 with and without the router (added ms)
   capacity  non-streamed requests at --concurrency: router CPU µs per request (from /proc) and
             the requests/s one router core could carry (1e6 / µs)
-  stream    streamed requests of --stream-tokens chunks: relayed tokens per router CPU second
+  stream    streamed requests of --stream-tokens chunks: relayed tokens per router CPU second. The
+            backend writes a whole answer at once (a burst: the router forwards what one read
+            brought in one write) or, with --stream-pace-ms, one chunk per interval, as a real
+            engine does (every token then costs the router its own read and write)
 CPU comes from /proc, so "per core" figures do not depend on where the OS runs the router;
 `--pin` pins the router to core 0 and the backend and load generator to the other cores.
 Targets: ≤ 1 ms added p50, ≥ 2,000 non-streamed req/s and ≥ 50,000 relayed tokens/s on one core.
@@ -38,8 +41,8 @@ MODEL = "bench-model"
 
 
 # -- the processes under test -----------------------------------------------------------------------
-def _backend_app(tokens: int) -> web.Application:
-    """Answers as fast as aiohttp can: pre-encoded bodies, no model."""
+def _backend_app(tokens: int, pace_ms: float) -> web.Application:
+    """Answers as fast as aiohttp can: pre-encoded bodies, no model; stream chunks `pace_ms` apart (0: a burst)."""
     usage = {"prompt_tokens": 8, "completion_tokens": tokens, "total_tokens": 8 + tokens}
     base = {"id": "chatcmpl-b", "object": "chat.completion.chunk", "created": 1, "model": MODEL}
     frames = [f"data: {json.dumps({**base, 'choices': [{'index': 0, 'delta': {'content': 'tok '}, 'finish_reason': None}]})}\n\n".encode()
@@ -59,8 +62,11 @@ def _backend_app(tokens: int) -> web.Application:
             return web.json_response(answer)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for data in frames:
+        if not pace_ms:
+            await response.write(b"".join(frames))
+        for data in frames if pace_ms else ():
             await response.write(data)
+            await asyncio.sleep(pace_ms / 1000)
         await response.write_eof()
         return response
 
@@ -76,7 +82,7 @@ def _backend_app(tokens: int) -> web.Application:
 def _bare_pd_app(prefill: str, decode: str) -> web.Application:
     """The PD flow alone (no auth/limits/usage): what PDClient and SSE framing cost."""
     from stack.common.errors import error_middleware
-    from stack.common.sse import open_stream, send_done, send_event
+    from stack.common.sse import frame, open_stream, send_done
     from stack.router.backends import PoolConfig
     from stack.router.metrics import Metrics
     from stack.router.pd import PDClient
@@ -92,9 +98,9 @@ def _bare_pd_app(prefill: str, decode: str) -> web.Application:
         if not body.get("stream"):
             return web.json_response(await pd.complete(rid, "/v1/chat/completions", body))
         stream = await open_stream(request)
-        async with aclosing(pd.stream(rid, "/v1/chat/completions", body)) as chunks:
-            async for chunk in chunks:
-                await send_event(stream, chunk)
+        async with aclosing(pd.stream(rid, "/v1/chat/completions", body)) as batches:
+            async for batch in batches:
+                await stream.write(b"".join(frame(chunk) for chunk in batch))
         await send_done(stream)
         return stream
 
@@ -208,7 +214,9 @@ async def _measure(name: str, url: str, direct: str, pid: int | None, args: argp
     _, _, wall = await _load(url, args.requests, args.concurrency, False, args.stream_tokens)
     cpu1 = _cpu_seconds(pid) if pid else 0.0
     n_streams = max(20, args.requests // 20)
-    _, relayed, stream_wall = await _load(url, n_streams, min(8, args.concurrency), True, args.stream_tokens)
+    # Paced streams spend most of their time waiting: more of them at once keep the router busy.
+    _, relayed, stream_wall = await _load(url, n_streams, args.concurrency if args.stream_pace_ms else min(8, args.concurrency), True,
+                                          args.stream_tokens)
     cpu2 = _cpu_seconds(pid) if pid else 0.0
     row = {
         "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99), "direct_p50_ms": _pct(base, 0.5), "direct_p99_ms": _pct(base, 0.99),
@@ -259,7 +267,7 @@ async def run(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, float]] = {}
     try:
         backend = subprocess.Popen([python, "-m", "stack.router.benchmark", "--serve-backend", str(p_port), str(d_port),
-                                    "--stream-tokens", str(args.stream_tokens)])
+                                    "--stream-tokens", str(args.stream_tokens), "--stream-pace-ms", str(args.stream_pace_ms)])
         procs.append(backend)
         if args.pin:
             _pin(backend.pid, other_cores)
@@ -298,7 +306,7 @@ async def run(args: argparse.Namespace) -> int:
 
 def _report(results: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
     print(f"\nrouter overhead ({'router pinned to core 0; ' if args.pin else ''}{args.requests} requests at concurrency {args.concurrency}; "
-          f"streams of {args.stream_tokens} chunks; load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
+          f"streams of {args.stream_tokens} chunks, {f'{args.stream_pace_ms:g} ms apart' if args.stream_pace_ms else 'as a burst'}; load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
     print(f"{'setup':36} {'p50 ms':>8} {'direct':>8} {'added':>7} {'p99 ms':>8} {'direct':>8} {'added':>7} "
           f"{'CPU µs/req':>10} {'req/s/core':>10} {'req/s':>7} {'CPU µs/tok':>10} {'tok/s/core':>10}")
     for name, r in results.items():
@@ -321,12 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2000, help="non-streamed requests for the capacity phase")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--stream-tokens", type=int, default=200, help="chunks per streamed answer")
+    parser.add_argument("--stream-pace-ms", type=float, default=0.0, help="backend: ms between stream chunks (0: all at once)")
     parser.add_argument("--pin", action="store_true", help="pin the router to core 0, everything else to the other cores")
     parser.add_argument("--serve-backend", nargs=2, type=int, metavar=("PREFILL_PORT", "DECODE_PORT"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-bare", nargs=3, metavar=("PORT", "PREFILL", "DECODE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_backend:
-        asyncio.run(_serve_forever(_backend_app(args.stream_tokens), list(args.serve_backend)))
+        asyncio.run(_serve_forever(_backend_app(args.stream_tokens, args.stream_pace_ms), list(args.serve_backend)))
         return 0
     if args.serve_bare:
         from stack.common.logging import setup_logging

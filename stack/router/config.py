@@ -86,6 +86,12 @@ class AuthConfig:
 @dataclass(frozen=True)
 class UsageConfig:
     db_path: str = "data/router-usage.sqlite3"  # SQLite file (relative paths: to the working directory)
+    # Finished requests are written to the file in one transaction per interval; a clean stop writes
+    # the rest, a kill -9 loses at most this much usage (the in-memory totals are always current).
+    flush_interval_ms: int = 1000
+
+    def __post_init__(self) -> None:
+        check(self.flush_interval_ms > 0, "flush_interval_ms", f"must be > 0, got {self.flush_interval_ms}")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The PD flow: pick a decode then a prefill, run the prefill leg, hand its KV params to decode, relay.
 
-    complete(): decode answers one JSON body          stream(): decode's SSE chunks are yielded as dicts
+    complete(): decode answers one JSON body          stream(): decode's SSE chunks, yielded as lists of dicts
     attempt n: D = acquire(decode)  ─▶ P = acquire(prefill) ─▶ POST P {max_tokens: 1, kv_transfer_params…}
                (prefill failure: another P, same D)  ─▶ POST D {original, kv_transfer_params from P}
                (decode failure before its first chunk: a new pair, n+1)
@@ -27,7 +27,7 @@ from stack.common import events
 from stack.common.errors import UpstreamError
 from stack.common.health import NOT_SERVING, SERVING, TIMEOUT, UNREACHABLE, probe_async
 from stack.common.logging import log_event
-from stack.common.sse import DONE, read_events
+from stack.common.sse import DONE, read_event_batches
 from stack.router.backends import Backend, PoolConfig, build_pool, check_topology, is_colocated
 from stack.router.metrics import GaugeSample, Metrics
 from stack.router.relay import LegFailed, exception_failure, open_stream, post_json, status_failure, timeout
@@ -102,8 +102,9 @@ class _Leg:
     decode: Backend
     answer: dict[str, Any] | None = None
     response: aiohttp.ClientResponse | None = None
-    events: AsyncIterator[tuple[str | None, str]] | None = None
-    first: dict[str, Any] | None = None
+    batches: AsyncIterator[list[tuple[str | None, str]]] | None = None  # the rest of the stream, per network read
+    first: dict[str, Any] | None = None  # the first chunk, checked before anything reached the client
+    rest: list[str] = field(default_factory=list)  # the other frames that arrived with the first
 
 
 class PDClient:
@@ -238,47 +239,61 @@ class PDClient:
         answer.pop("kv_transfer_params", None)  # clients never learn PD exists
         return answer
 
-    async def stream(self, request_id: str, path: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """Yield the decode engine's chunks as dicts; always ends with a usage chunk (see module doc)."""
+    async def stream(self, request_id: str, path: str, body: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
+        """Yield the decode engine's chunks as dicts, in batches: the chunks of one network read, so the
+        relay forwards them in one write (a burst, or a router running behind, costs one send, not one
+        per token). Always ends with a usage chunk (see module doc)."""
         job = _Job.make(request_id, path, body, True, self.config.default_max_tokens)
         leg = await self._run(job)
-        decode, response, chunks = leg.decode, leg.response, leg.events
-        assert response is not None and chunks is not None and leg.first is not None, "stream leg opened without a first chunk"
+        decode, response, batches = leg.decode, leg.response, leg.batches
+        assert response is not None and batches is not None and leg.first is not None, "stream leg opened without a first chunk"
         finished = done = False
         usage: dict[str, Any] | None = None
         token_chunks = 0
         last = job.started
         try:
-            chunk = leg.first
+            chunks, frames = [leg.first], leg.rest
             while True:
-                choices = chunk.get("choices")
-                if choices:
-                    now = time.perf_counter()
-                    if token_chunks:
-                        self.metrics.itl.observe(now - last)
-                    token_chunks += 1
-                    last = now
-                    if choices[0].get("finish_reason"):
-                        finished = True
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                yield chunk
-                try:
-                    _event, data = await anext(chunks)
-                except StopAsyncIteration:
+                bad: Exception | None = None  # a bad frame fails the stream after the good ones before it
+                for data in frames:
+                    if data == DONE:
+                        done = True
+                        break
+                    try:
+                        chunks.append(self._parse_chunk(decode, data))
+                    except (LegFailed, ValueError) as exc:
+                        bad = exc
+                        break
+                now = time.perf_counter()
+                for chunk in chunks:
+                    choices = chunk.get("choices")
+                    if choices:
+                        if token_chunks:
+                            self.metrics.itl.observe(now - last)
+                        token_chunks += 1
+                        last = now
+                        if choices[0].get("finish_reason"):
+                            finished = True
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                if chunks:
+                    yield chunks
+                if bad is not None:
+                    raise bad
+                if done:
                     break
-                if data == DONE:
-                    done = True
+                batch = await anext(batches, None)
+                if batch is None:
                     break
-                chunk = self._parse_chunk(decode, data)
+                chunks, frames = [], [data for _event, data in batch]
             if not (done and finished):
                 raise LegFailed(UpstreamError("the decode engine's stream ended early (no finish_reason or [DONE]); the answer is incomplete"),
                                 retryable=True)
             if usage is None:
                 # Engines that ignore include_usage: count relayed chunks (prompt from the router's estimate).
                 usage = {"prompt_tokens": job.prompt_tokens, "completion_tokens": token_chunks, "total_tokens": job.prompt_tokens + token_chunks}
-                yield {"id": leg.first.get("id", ""), "object": leg.first.get("object", "chat.completion.chunk"),
-                       "created": leg.first.get("created", 0), "model": leg.first.get("model", ""), "choices": [], "usage": usage}
+                yield [{"id": leg.first.get("id", ""), "object": leg.first.get("object", "chat.completion.chunk"),
+                        "created": leg.first.get("created", 0), "model": leg.first.get("model", ""), "choices": [], "usage": usage}]
             self._succeeded(decode)
         except (GeneratorExit, asyncio.CancelledError):
             log_event(events.ROUTER_CLIENT_DISCONNECTED, "client went away; upstream decode cancelled", "WARNING",
@@ -404,11 +419,11 @@ class PDClient:
         try:
             async with asyncio.timeout(self._first_chunk_s):
                 response = await open_stream(self.session, decode, job.path, body, job.request_id, self._timeouts["decode_stream"])
-                chunks = aiter(read_events(response.content))
-                _event, data = await anext(chunks, (None, DONE))
-                if data == DONE:
+                batches = aiter(read_event_batches(response.content))
+                frames = [data for _event, data in await anext(batches, [(None, DONE)])]
+                if frames[0] == DONE:
                     raise LegFailed(UpstreamError("the decode engine closed the stream before its first chunk"), retryable=True)
-                first = self._parse_chunk(decode, data)
+                first = self._parse_chunk(decode, frames[0])
         except LegFailed as failure:
             if response is not None:
                 response.close()
@@ -425,7 +440,7 @@ class PDClient:
                 response.close()
             raise
         self._first_token(job, decode, sent)
-        return _Leg(decode, response=response, events=chunks, first=first)
+        return _Leg(decode, response=response, batches=batches, first=first, rest=frames[1:])
 
     def _first_token(self, job: _Job, decode: Backend, sent: float) -> None:
         """Streams only: a non-streamed answer has no first-token moment the router can see."""

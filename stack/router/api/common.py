@@ -226,32 +226,35 @@ class Translator(Protocol):
     def error(self, err: APIError) -> list[bytes]: ...  # in-band error frames, terminal too
 
 
-async def relay(request: web.Request, chunks: AsyncIterator[dict[str, Any]], translator: Translator) -> web.StreamResponse:
-    """Stream `chunks` to the client through `translator`; every path ends the stream properly.
+async def relay(request: web.Request, batches: AsyncIterator[list[dict[str, Any]]], translator: Translator) -> web.StreamResponse:
+    """Stream the chunk `batches` of PDClient.stream to the client through `translator`, one write per
+    batch; every path ends the stream properly.
 
     An error before the first chunk propagates (a normal HTTP error); after it, the translator's
     in-band error frames close the stream. A client that went away closes the upstream stream
     (aclosing), which cancels the engine legs.
     """
-    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
-        chunk = await peek(chunks)
+    async with contextlib.aclosing(batches):  # type: ignore[type-var]
+        batch = await peek(batches)
         stream = await sse.open_stream(request, {REQUEST_ID_HEADER: request[REQUEST_ID]})
         relayed = 0  # token chunks sent: the charge when a broken stream never reports usage
         try:
             try:
-                while chunk is not None:
-                    if chunk.get("usage"):
-                        charge(request, chunk["usage"])
-                    relayed += bool(chunk.get("choices"))
-                    for data in translator.chunk(chunk):
-                        await stream.write(data)
-                    chunk = await anext(chunks, None)
+                while batch is not None:
+                    frames: list[bytes] = []
+                    for chunk in batch:
+                        if chunk.get("usage"):
+                            charge(request, chunk["usage"])
+                        relayed += bool(chunk.get("choices"))
+                        frames += translator.chunk(chunk)
+                    if frames:
+                        await stream.write(b"".join(frames))
+                    batch = await anext(batches, None)
                 tail = translator.end()
             except APIError as err:
                 request[STREAM_ERROR] = err.type
                 tail = translator.error(err)
-            for data in tail:
-                await stream.write(data)
+            await stream.write(b"".join(tail))
             await stream.write_eof()
         except ConnectionResetError:
             request[STREAM_ERROR] = "client_disconnected"  # the PD client logs router.client_disconnected

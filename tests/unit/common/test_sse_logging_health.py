@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -74,6 +75,27 @@ def test_stdlib_and_exception_lines_share_the_shape_and_levels_filter_both_paths
     assert lines[0]["msg"] == "Error handling request from 10.0.0.1" and lines[0]["logger"] == "aiohttp.server"
     assert lines[1]["exc"] == "RuntimeError: boom"
     assert all(line["ts"].endswith("Z") for line in lines)
+
+
+class _FlushCountingSink(io.StringIO):
+    flushes = 0
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+async def test_lines_of_one_loop_step_leave_in_one_flush() -> None:
+    """On the event loop, the lines written in one step are flushed once, at the end of that step (not one
+    syscall per line); outside a loop every line is flushed at once."""
+    sink = _FlushCountingSink()
+    setup_logging("router", sink=sink)
+    for i in range(3):
+        log_event(events.HTTP_ACCESS, f"line {i}")
+    assert sink.flushes == 0 and len(sink.getvalue().splitlines()) == 3
+    await asyncio.sleep(0)
+    assert sink.flushes == 1
+    await asyncio.to_thread(log_event, events.HTTP_ACCESS, "from a worker thread")
+    assert sink.flushes == 2
 
 
 async def test_health_not_serving_until_set() -> None:

@@ -156,7 +156,7 @@ def log_events(sink: io.StringIO) -> list[dict[str, Any]]:
 
 
 def write_settings(tmp_path: Path, engine_url: str, limits: str = "", extra: str = "", health: str = "",
-                   taotoken: str = "") -> Path:
+                   taotoken: str = "", usage: str = "") -> Path:
     """A settings.toml for a colocated router over `engine_url`, usage in tmp_path."""
     health_lines = f'health_addrs = ["{health}"]' if health else ""
     interval = 500 if health else 0
@@ -180,6 +180,7 @@ endpoint = "{engine_url}"
 health_interval_ms = {interval}
 [usage]
 db_path = "{tmp_path / 'usage.sqlite3'}"
+{usage}
 [limits]
 {limits}
 {extra}
@@ -196,10 +197,10 @@ async def make_router(tmp_path: Path, engine: FakeEngine) -> Any:
     clients: list[TestClient] = []
 
     async def start(limits: str = "", extra: str = "", env: dict[str, str] | None = None,
-                    backend: RealEngine | None = None, taotoken: str = "") -> TestClient:
+                    backend: RealEngine | None = None, taotoken: str = "", usage: str = "") -> TestClient:
         """A router over the stand-in engine, or over `backend` (a real engine, health-checked over gRPC)."""
         url = backend.url if backend else engine.url  # type: ignore[attr-defined]
-        settings = write_settings(tmp_path, url, limits, extra, backend.health_addr if backend else "", taotoken)
+        settings = write_settings(tmp_path, url, limits, extra, backend.health_addr if backend else "", taotoken, usage)
         config = router_config.load(settings, env={})
         app = create_app(config, env={KEY_ENV: KEY} if env is None else env)
         client = TestClient(TestServer(app, host="127.0.0.1"))

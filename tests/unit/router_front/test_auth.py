@@ -29,6 +29,9 @@ CASES: dict[str, tuple[dict[str, str], str, str, str]] = {
     "quoted": ({"Authorization": f'Bearer "{KEY}"'}, "quoted", "invalid_api_key_format", "wrapped in quotes"),
     "unknown": ({"Authorization": f"Bearer {WRONG_KEY}"}, "unknown", "invalid_api_key", "matches no key configured"),
     "unknown_x_api_key": ({"x-api-key": WRONG_KEY}, "unknown", "invalid_api_key", "matches no key configured"),
+    # An empty second header must not hide (or crash on) the first one's problem.
+    "no_bearer_and_empty_x_api_key": ({"Authorization": KEY, "x-api-key": ""}, "malformed", "invalid_authorization_header",
+                                      "`Bearer ` prefix is missing"),
 }
 
 

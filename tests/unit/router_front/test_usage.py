@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import sqlite3
+import time
+
+import pytest
+
+from stack.router.usage import UsageStore
 from tests.unit.router_front.conftest import auth, chat_body
 
 
@@ -42,3 +49,36 @@ async def test_usage_and_quota_survive_a_restart(make_router) -> None:
     response = await third.post("/v1/chat/completions", json=chat_body(), headers=auth())
     assert response.status == 429 and (await response.json())["error"]["type"] == "insufficient_quota"
     assert (await (await third.get("/v1/usage", headers=auth())).json())["quota_remaining"] == 0
+
+
+async def test_finished_requests_reach_the_file_within_the_flush_interval(make_router, tmp_path) -> None:
+    """Without a restart, another reader of the SQLite file sees each finished request within flush_interval_ms."""
+    router = await make_router(usage="flush_interval_ms = 100")
+    for _ in range(3):
+        assert (await router.post("/v1/chat/completions", json=chat_body(), headers=auth())).status == 200
+    reader = sqlite3.connect(tmp_path / "usage.sqlite3")
+    deadline = time.monotonic() + 5
+    while (row := reader.execute("SELECT requests, completion_tokens FROM key_usage WHERE key_name = 'default'").fetchone()) is None:
+        assert time.monotonic() < deadline, "usage never reached the file"
+        await asyncio.sleep(0.05)
+    assert row == (3, 12)  # 3 requests of 4 completion tokens, written together
+    reader.close()
+
+
+def test_a_failed_write_keeps_the_requests_for_the_next_one(tmp_path) -> None:
+    """If the file cannot be written (here: its table vanished), nothing is lost: the next flush writes it all."""
+    store = UsageStore(tmp_path / "usage.sqlite3")
+    store.add("alice", 10, 5)
+    other = sqlite3.connect(tmp_path / "usage.sqlite3")
+    other.execute("ALTER TABLE key_usage RENAME TO moved")
+    other.commit()
+    with pytest.raises(sqlite3.OperationalError, match="no such table"):
+        store.flush()
+    store.add("alice", 1, 1)
+    assert store.pending == 2 and store.get("alice").total_tokens == 17  # memory stays right meanwhile
+    other.execute("ALTER TABLE moved RENAME TO key_usage")
+    other.commit()
+    assert store.flush() == 2 and store.pending == 0
+    store.close()
+    assert other.execute("SELECT requests, prompt_tokens, completion_tokens FROM key_usage").fetchall() == [(2, 11, 6)]
+    other.close()

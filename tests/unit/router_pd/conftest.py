@@ -110,11 +110,12 @@ def relay_app(client: PDClient) -> Any:
         if not body.get("stream"):
             return web.json_response(await client.complete(request[REQUEST_ID], request.path, body))
         stream = None
-        async with aclosing(client.stream(request[REQUEST_ID], request.path, body)) as chunks:
+        async with aclosing(client.stream(request[REQUEST_ID], request.path, body)) as batches:
             try:
-                async for chunk in chunks:
+                async for batch in batches:
                     stream = stream or await open_stream(request)
-                    await send_event(stream, chunk)
+                    for chunk in batch:
+                        await send_event(stream, chunk)
             except APIError as err:
                 if stream is None:
                     raise

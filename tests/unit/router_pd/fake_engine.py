@@ -47,6 +47,8 @@ class Faults:
     die_after_chunks: int | None = None  # close the connection after this many token chunks
     stall_after_chunks: int | None = None  # stop sending (connection open) after this many chunks
     no_done: bool = False  # end the stream cleanly but without finish_reason or [DONE]
+    error_after_chunks: int | None = None  # send a vLLM-style in-band error frame after this many chunks, then [DONE]
+    burst: bool = False  # write the whole stream at once (a fast engine, or a router running behind, reads it so)
     delay_s: float = 0.0  # wait before answering (keeps slots busy)
 
 
@@ -143,6 +145,15 @@ class FakeEngine:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1, "model": "fake-model"}
+        pending: list[bytes] = []  # burst: frames held back and written together
+
+        async def send(data: bytes) -> None:
+            if faults.burst:
+                pending.append(data)
+            else:
+                await response.write(data)
+                await asyncio.sleep(0.01)
+
         try:
             for i in range(self.tokens):
                 if faults.die_after_chunks is not None and i == faults.die_after_chunks:
@@ -151,16 +162,20 @@ class FakeEngine:
                     return response
                 if faults.stall_after_chunks is not None and i == faults.stall_after_chunks:
                     await asyncio.sleep(3600)
+                if faults.error_after_chunks is not None and i == faults.error_after_chunks:
+                    await send(frame({"error": {"message": "decode step failed (fake)", "type": "server_error", "code": 500}}))
+                    break
                 last = i == self.tokens - 1 and not faults.no_done
                 choice = {"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": "length" if last else None}
-                await response.write(frame({**base, "choices": [choice]}))
-                await asyncio.sleep(0.01)
+                await send(frame({**base, "choices": [choice]}))
             if faults.no_done:
+                await response.write(b"".join(pending))
                 await response.write_eof()
                 return response
             if (body.get("stream_options") or {}).get("include_usage"):
-                await response.write(frame({**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": self.tokens,
-                                                                               "total_tokens": 3 + self.tokens}}))
+                await send(frame({**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": self.tokens,
+                                                                   "total_tokens": 3 + self.tokens}}))
+            await response.write(b"".join(pending))
             await send_done(response)
         except (asyncio.CancelledError, ConnectionError):
             self.disconnects += 1

@@ -17,7 +17,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_t
 
 
 async def collect(client, request_id="r1", body=CHAT):
-    return [chunk async for chunk in client.stream(request_id, "/v1/chat/completions", dict(body))]
+    return [chunk async for batch in client.stream(request_id, "/v1/chat/completions", dict(body)) for chunk in batch]
 
 
 async def test_vllm_nixl_params_pass_to_decode_unchanged(fake, pd, logs):
@@ -85,12 +85,33 @@ async def test_decode_dying_mid_stream_is_an_error_after_the_first_chunk(fake, p
     client = await pd([prefill], [decode])
     got = []
     with pytest.raises(UpstreamError, match="broke the connection"):
-        async for chunk in client.stream("rmid", "/v1/chat/completions", dict(CHAT)):
-            got.append(chunk)
+        async for batch in client.stream("rmid", "/v1/chat/completions", dict(CHAT)):
+            got += batch
     assert chunk_text(got) == "t0 t1 "
     failed = logs.events(events.ROUTER_DECODE_FAILED)
     assert failed[-1]["mid_stream"] is True and failed[-1]["request_id"] == "rmid"
     assert client.backends[1].in_flight == 0  # the slot came back
+
+
+async def test_a_burst_is_relayed_in_fewer_batches_than_chunks(fake, pd):
+    """Chunks that arrive in one network read come out as one batch (one write to the client), complete and in order."""
+    client = await pd([await fake("prefill")], [await fake("decode", tokens=6, faults=Faults(burst=True))])
+    batches = [batch async for batch in client.stream("rb", "/v1/chat/completions", dict(CHAT))]
+    chunks = [chunk for batch in batches for chunk in batch]
+    assert chunk_text(chunks) == "t0 t1 t2 t3 t4 t5 " and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert len(batches) < 7  # 6 token chunks + the usage chunk, written at once, read in fewer pieces than one per chunk
+
+
+async def test_in_band_error_in_a_burst_comes_after_the_good_chunks(fake, pd, logs):
+    """An engine's in-band error frame arriving together with good chunks: the caller gets those chunks first, then the error."""
+    decode = await fake("decode", tokens=6, faults=Faults(burst=True, error_after_chunks=2))
+    client = await pd([await fake("prefill")], [decode])
+    got = []
+    with pytest.raises(UpstreamError, match="decode step failed"):
+        async for batch in client.stream("rbe", "/v1/chat/completions", dict(CHAT)):
+            got += batch
+    assert chunk_text(got) == "t0 t1 "
+    assert logs.events(events.ROUTER_DECODE_FAILED)[-1]["mid_stream"] is True
 
 
 async def test_stream_without_done_is_an_error_not_success(fake, pd):
