@@ -25,19 +25,23 @@ if ! command -v mmdebstrap >/dev/null; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >&2
 fi
 
-# The mirror comes from this machine's apt configuration (one-line or deb822 style), never a fixed host.
-mirror="$( { grep -hsE '^(deb |URIs:)' /etc/apt/sources.list /etc/apt/sources.list.d/*.list \
-              /etc/apt/sources.list.d/*.sources || true; } \
-          | grep -oE '(https?|file)://[^ ]+' | grep -v -- '-security' | head -n1)"
+# The mirrors come from this machine's apt configuration (one-line or deb822 style), never a fixed host:
+# the main archive (bookworm and bookworm-updates) and, where configured, the security archive.
+mirrors="$( { grep -hsE '^(deb |URIs:)' /etc/apt/sources.list /etc/apt/sources.list.d/*.list \
+               /etc/apt/sources.list.d/*.sources || true; } | grep -oE '(https?|file)://[^ ]+')"
+mirror="$(grep -v -- '-security' <<<"$mirrors" | head -n1 || true)"
+security="$(grep -- '-security' <<<"$mirrors" | head -n1 || true)"
 [[ -n "$mirror" ]] || die "no Debian mirror found in /etc/apt/sources.list{,.d}"
+sources=("deb $mirror bookworm main" "deb $mirror bookworm-updates main")
+[[ -n "$security" ]] && sources+=("deb $security bookworm-security main")
 
 tar="$CACHE/base-bookworm.tar"
-say "mmdebstrap bookworm from $mirror (about 30 s)"
+say "mmdebstrap bookworm from $mirror${security:+ with security updates from $security} (about 30 s)"
 mmdebstrap --quiet --variant=minbase --include=python3,python3-venv \
     --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
     --dpkgopt='path-exclude=/usr/share/locale/*' \
     --customize-hook='truncate -s 0 "$1/etc/resolv.conf" "$1/etc/hostname"' \
-    bookworm "$tar" "$mirror" >&2
+    bookworm "$tar" "${sources[@]}" >&2
 docker import -c 'ENV LANG=C.UTF-8' -c 'CMD ["/bin/bash"]' "$tar" "$LOCAL_BASE" >/dev/null
 rm -f "$tar"
 say "imported $LOCAL_BASE"

@@ -168,6 +168,7 @@ def write_env_file(env: Mapping[str, str]) -> Path:
     fd, path = tempfile.mkstemp(prefix="pd-stack-", suffix=".env")
     with os.fdopen(fd, "w") as f:
         f.writelines(f"{key}={value}\n" for key, value in env.items())
+        f.write(f"PD_ENV_FILE={path}\n")  # as ./pd does: the router's env_file is this file
     return Path(path)
 
 

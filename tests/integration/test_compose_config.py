@@ -78,3 +78,12 @@ def test_checkpoint_dir_is_mounted_read_only_in_every_engine(resolve, tmp_path) 
     for name in ("prefill", "decode"):
         mount = next(v for v in services[name]["volumes"] if v["target"] == "/models")
         assert (mount["type"], mount["source"], mount["read_only"]) == ("bind", str(tmp_path), True)
+
+
+def test_env_file_variables_reach_the_router_only(resolve) -> None:
+    """A key added to the env file for a keys-file entry reaches the router (both stacks), not the engines."""
+    for files in (DISAGGREGATED, COLOCATED):
+        services = resolve(files, {"ALICE_KEY": "sk-alice-0123456789"})["services"]
+        assert services["router"]["environment"]["ALICE_KEY"] == "sk-alice-0123456789"
+    services = resolve(DISAGGREGATED, {"ALICE_KEY": "sk-alice-0123456789"})["services"]
+    assert all("ALICE_KEY" not in (services[name].get("environment") or {}) for name in ("prefill", "decode"))

@@ -96,6 +96,14 @@ async def pd(session: aiohttp.ClientSession) -> AsyncIterator[Callable[..., Any]
         await client.close()
 
 
+async def wait_for_state(client: PDClient, url: str, state: str, timeout_s: float = 10.0) -> None:
+    """Wait until the router sees backend `url` in `state` ("up"/"down"); the bound only catches a hang."""
+    deadline = time.monotonic() + timeout_s
+    while (seen := next(b["state"] for b in client.health_snapshot()["backends"] if b["url"] == url)) != state:
+        assert time.monotonic() < deadline, f"{url} still {seen} after {timeout_s} s, expected {state}"
+        await asyncio.sleep(0.02)
+
+
 def relay_app(client: PDClient) -> Any:
     """The smallest OpenAI front over a PDClient (what api/openai.py does): SSE out, in-band error once started."""
     from contextlib import aclosing

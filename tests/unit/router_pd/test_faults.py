@@ -10,7 +10,7 @@ import pytest
 
 from stack.common import events
 from stack.common.errors import InvalidRequest, Overloaded, RateLimited, UpstreamError, UpstreamTimeout
-from tests.unit.router_pd.conftest import relay_app
+from tests.unit.router_pd.conftest import relay_app, wait_for_state
 from tests.unit.router_pd.fake_engine import VLLM_NIXL_PREFILL_PARAMS, Faults, chunk_text
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
@@ -185,13 +185,12 @@ async def test_health_monitor_takes_a_backend_out_and_back(fake, pd, logs, healt
     first, second = await fake("decode"), await fake("decode")
     client = await pd([prefill], [first, second], health_check=health_check, health_interval_ms=50)
     await first.set_health(False)
-    await asyncio.sleep(0.3)
+    await wait_for_state(client, first.url, "down")
     for i in range(3):
         await client.complete(f"h{i}", "/v1/chat/completions", dict(CHAT))
     assert len(first.seen) == 0 and len(second.seen) == 3
     await first.set_health(True)
-    await asyncio.sleep(0.3)
-    assert client.health_snapshot()["backends"][1]["state"] == "up"
+    await wait_for_state(client, first.url, "up")
     down = [e for e in logs.events(events.BACKEND_HEALTH) if e["backend"] == first.url]
     assert [e["state"] for e in down] == ["down", "up"] and f"{health_check} health" in down[0]["reason"]
 
@@ -202,16 +201,10 @@ async def test_health_probe_timeouts_take_a_backend_out_only_after_several_in_a_
     prefill, decode = await fake("prefill"), await fake("decode")
     decode.health_addr = silent_address
     client = await pd([prefill], [decode], health_interval_ms=100, health_timeouts_to_down=3)
-    def decode_state():
-        return next(b["state"] for b in client.health_snapshot()["backends"] if b["url"] == decode.url)
-
     # start() has run one probe round: one timeout, still up, so the request is served.
-    assert decode_state() == "up"
+    assert client.backends[0].url == decode.url and client.backends[0].up and client.backends[0].probe_timeouts == 1
     assert (await client.complete("t1", "/v1/chat/completions", dict(CHAT)))["usage"]["completion_tokens"] == 4
-    deadline = time.monotonic() + 10
-    while decode_state() == "up":
-        assert time.monotonic() < deadline, "three probe timeouts in a row did not take the decode out"
-        await asyncio.sleep(0.05)
+    await wait_for_state(client, decode.url, "down")
     [down] = [e for e in logs.events(events.BACKEND_HEALTH) if e["backend"] == decode.url]
     assert down["state"] == "down" and down["reason"] == f"grpc health TIMEOUT x3 at {silent_address}"
 
