@@ -69,6 +69,9 @@ ROUTER_CLIENT_DISCONNECTED = "router.client_disconnected"  # upstream requests c
 ROUTER_REQUEST_DONE = "router.request_done"  # status, prompt_tokens, completion_tokens, e2e_ms
 BACKEND_HEALTH = "backend.health"  # backend, role, state (up|down), was
 BACKEND_CIRCUIT = "backend.circuit"  # backend, state (open|half_open|closed), failures
+P2PNCCL_JOINED = "p2pnccl.joined"  # a vLLM P2pNccl instance registered: role, backend, zmq_address
+P2PNCCL_LEFT = "p2pnccl.left"  # it stopped pinging and was removed: role, backend, zmq_address
+P2PNCCL_BAD_PING = "p2pnccl.bad_ping"  # a registration that is not vLLM's format (logged once per sender): sender, error
 # doctor (choices diagnosis): a stream ended with the usage chunk whose `choices` is []; client_asked
 # (bool: the client itself sent stream_options.include_usage). Logged by the router once per stream.
 ROUTER_USAGE_CHUNK = "router.usage_chunk"  # client_asked, prompt_tokens, completion_tokens

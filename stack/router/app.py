@@ -14,6 +14,7 @@ import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
+import zmq
 from aiohttp import web
 
 from stack.common import events
@@ -21,11 +22,12 @@ from stack.common.config import ConfigError
 from stack.common.errors import APIError, error_middleware, openai_error_body, request_id_middleware
 from stack.common.logging import log_event
 from stack.router.api import anthropic, openai, responses
-from stack.router.appkeys import CALLER, CONFIG, KEYRING, LIMITER, METRICS, PD, STREAM_ERROR, TOKENS, USAGE
+from stack.router.appkeys import CALLER, CONFIG, KEYRING, LIMITER, METRICS, PD, REGISTRY, STREAM_ERROR, TOKENS, USAGE
 from stack.router.auth import Caller, KeyRing
 from stack.router.config import RouterConfig, UsageConfig, load_keys_file
 from stack.router.limits import Limiter
 from stack.router.metrics import Metrics
+from stack.router.p2pnccl import Registry
 from stack.router.pd import PDClient
 from stack.router.relay import new_session
 from stack.router.usage import UsageStore
@@ -89,7 +91,9 @@ def _request_done(request: web.Request, api: str, caller: Caller, status: int, e
 
 async def health(request: web.Request) -> web.Response:
     """GET /health: the router is up; each backend's state as the router sees it."""
-    return web.json_response({"status": "ok", **request.app[PD].health_snapshot()})
+    registry = request.app.get(REGISTRY)
+    extra = {"p2pnccl_instances": registry.snapshot()} if registry is not None else {}
+    return web.json_response({"status": "ok", **request.app[PD].health_snapshot(), **extra})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -123,6 +127,8 @@ def create_app(config: RouterConfig, env: Mapping[str, str] | None = None) -> we
     app[USAGE] = _open_usage(config)
     app[LIMITER] = Limiter(app[USAGE])
     app[METRICS] = Metrics()
+    if config.p2pnccl.registry_port:  # vLLM P2pNccl engines: the pools are whoever registers, not the configured endpoints
+        app[REGISTRY] = _open_registry(config)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post(openai.CHAT_PATH, openai.chat_completions)
     app.router.add_post(openai.COMPLETIONS_PATH, openai.completions)
@@ -144,20 +150,38 @@ def _open_usage(config: RouterConfig) -> UsageStore:
         raise ConfigError(config.source, "usage.db_path", f"cannot open {config.usage.db_path!r} for writing: {exc}") from None
 
 
+def _open_registry(config: RouterConfig) -> Registry:
+    """The P2pNccl registry socket, or a ConfigError naming p2pnccl.registry_port (e.g. the port is taken)."""
+    port = config.p2pnccl.registry_port
+    try:
+        registry = Registry(config.p2pnccl)
+    except zmq.ZMQError as exc:
+        raise ConfigError(config.source, "p2pnccl.registry_port", f"cannot listen on port {port}: {exc}") from None
+    log_event(events.CONFIG_IGNORED, f"[prefill]/[decode] endpoints are ignored: P2pNccl engines register on port {port}",
+              key="prefill.endpoints", value="(registry)")
+    return registry
+
+
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     """One upstream ClientSession, the PD client and the usage writer for the app's lifetime; the usage file closed last."""
     config = app[CONFIG]
     writer = asyncio.create_task(_write_usage(app[USAGE], config.usage), name="usage-writer")
     # One tuned session (no connection cap, no total timeout: the PD client sets per-leg timeouts).
     async with new_session() as session:
-        pd = PDClient(config.prefill, config.decode, config.scheduler, session, app[METRICS], model_id=config.taotoken.model_id)
+        registry = app.get(REGISTRY)
+        pd = PDClient(config.prefill, config.decode, config.scheduler, session, app[METRICS], model_id=config.taotoken.model_id,
+                      registry=registry is not None)
         app[PD] = pd
         try:
             await pd.start()
+            if registry is not None:
+                registry.start(pd.add_backend, pd.remove_backend)
             yield
         finally:
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
+            if registry is not None:
+                await registry.close()
             await pd.close()
             app[USAGE].close()  # writes what is still queued
 

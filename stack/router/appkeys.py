@@ -8,6 +8,7 @@ from stack.router.auth import Caller, KeyRing
 from stack.router.config import RouterConfig
 from stack.router.limits import Limiter
 from stack.router.metrics import Metrics
+from stack.router.p2pnccl import Registry
 from stack.router.pd import PDClient
 from stack.router.usage import UsageStore
 
@@ -17,6 +18,7 @@ LIMITER = web.AppKey("limiter", Limiter)
 USAGE = web.AppKey("usage", UsageStore)
 METRICS = web.AppKey("metrics", Metrics)
 PD = web.AppKey("pd", PDClient)
+REGISTRY = web.AppKey("p2pnccl_registry", Registry)  # only when [p2pnccl] registry_port is set
 
 # Per-request state the guard middleware and the handlers share.
 CALLER = web.RequestKey("caller", Caller)  # the authenticated key

@@ -8,9 +8,10 @@
     [auth]      keys_file: optional TOML/JSON naming more keys (by env var) with their own limits
     [limits]    rpm, tpm, max_concurrent, token_quota: per-key defaults, 0 = unlimited
     [usage]     db_path: the SQLite file holding per-key usage across restarts
+    [p2pnccl]   registry_port, instance_ttl_ms: vLLM P2pNccl engines register themselves (P2pNcclConfig)
 
 `PREFILL_ENDPOINT`, `DECODE_ENDPOINT` and `KV_TRANSFER_PORT` in the environment override the file
-(the article's .env). Keys never live in these files: a value that looks like a secret stops
+(the article's .env); so do `BACKEND_HEALTH_CHECK` and `P2PNCCL_REGISTRY_PORT` (the GPU overlays). Keys never live in these files: a value that looks like a secret stops
 start-up with a message naming the env var to use instead.
 """
 
@@ -27,6 +28,7 @@ from urllib.parse import urlsplit
 
 from stack.common.config import ConfigError, build, check, read_file
 from stack.router.backends import PoolConfig
+from stack.router.p2pnccl import P2pNcclConfig
 from stack.router.scheduler import SchedulerConfig
 
 DEFAULT_KV_TRANSFER_PORT = 9100
@@ -104,6 +106,7 @@ class RouterConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: KeyLimits = field(default_factory=KeyLimits)
     usage: UsageConfig = field(default_factory=UsageConfig)
+    p2pnccl: P2pNcclConfig = field(default_factory=P2pNcclConfig)
     source: str = "<defaults>"  # the file this came from (set by load(); not a settings key)
 
 
@@ -178,6 +181,13 @@ def _with_env_overrides(data: dict[str, Any], env: Mapping[str, str], file: str)
             section = data.setdefault(table, {})
             if isinstance(section, dict):
                 section["health_check"] = health_check
+    registry_text = env.get("P2PNCCL_REGISTRY_PORT", "").strip()
+    if registry_text:
+        if not registry_text.isdigit() or not 0 <= int(registry_text) < 65536:
+            raise ConfigError("environment", "P2PNCCL_REGISTRY_PORT", f"must be a port number 0..65535, got {registry_text!r}")
+        section = data.setdefault("p2pnccl", {})
+        if isinstance(section, dict):
+            section["registry_port"] = int(registry_text)
     port_text = env.get("KV_TRANSFER_PORT", "").strip()
     if port_text:
         if not port_text.isdigit() or not 0 < int(port_text) < 65536:
@@ -210,7 +220,7 @@ def load(path: str | Path, env: Mapping[str, str] | None = None) -> RouterConfig
     config = build(RouterConfig, _with_env_overrides(data, env, file), file)
     for side in ("prefill", "decode"):
         pool: PoolConfig = getattr(config, side)
-        if not pool.urls:
+        if not pool.urls and not config.p2pnccl.registry_port:  # with a registry, engines announce themselves
             raise ConfigError(file, f"{side}.endpoint", f"no endpoint: set {side}.endpoint (or {side}.endpoints) or {side.upper()}_ENDPOINT")
     return dataclasses.replace(config, decode=_default_kv_addrs(config.decode, env), source=file)
 

@@ -5,7 +5,9 @@
                (prefill failure: another P, same D)  ─▶ POST D {original, kv_transfer_params from P}
                (decode failure before its first chunk: a new pair, n+1)
 
-Colocated (prefill endpoints == decode endpoints) sends one plain request. Failures after the
+Colocated (prefill endpoints == decode endpoints) sends one plain request. With vLLM P2pNccl
+engines (`registry=True`, p2pnccl.py) the pools are the instances that registered, and the KV route
+travels in the legs' request id instead of kv_transfer_params. Failures after the
 first chunk was yielded are raised to the caller, who ends the client's stream in-band. A stream
 that ends without a finish_reason and `[DONE]` is an error, never a silent truncation.
 """
@@ -28,8 +30,9 @@ from stack.common.errors import UpstreamError
 from stack.common.health import NOT_SERVING, SERVING, TIMEOUT, UNREACHABLE, probe_async
 from stack.common.logging import log_event
 from stack.common.sse import DONE, read_event_batches
-from stack.router.backends import Backend, PoolConfig, build_pool, check_topology, is_colocated
+from stack.router.backends import Backend, Breaker, PoolConfig, build_pool, check_topology, is_colocated
 from stack.router.metrics import GaugeSample, Metrics
+from stack.router.p2pnccl import leg_request_id
 from stack.router.relay import LegFailed, exception_failure, open_stream, post_json, status_failure, timeout
 from stack.router.scheduler import NoBackendAvailable, Scheduler, SchedulerConfig
 
@@ -71,15 +74,13 @@ class _Job:
     def decode_tokens(self) -> int:
         return self.prompt_tokens + self.max_tokens
 
-    def prefill_body(self, transfer_id: str, decode_kv_addr: str) -> dict[str, Any]:
+    def prefill_body(self, kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
         body = {k: v for k, v in self.body.items() if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
         body.update(stream=False, max_tokens=1)
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
-        # Ours: transfer_id + decode_kv_addr (push). vLLM NixlConnector: the None fields, as its toy proxy sends them.
-        body["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id,
-                                      "decode_kv_addr": decode_kv_addr, "remote_engine_id": None, "remote_block_ids": None,
-                                      "remote_host": None, "remote_port": None}
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
         return body
 
     def decode_body(self, kv_params: dict[str, Any] | None) -> dict[str, Any]:
@@ -93,6 +94,13 @@ class _Job:
         if kv_params is not None:
             body["kv_transfer_params"] = kv_params
         return body
+
+
+def _push_params(transfer_id: str, decode_kv_addr: str) -> dict[str, Any]:
+    """The prefill leg's kv_transfer_params. Ours: transfer_id + decode_kv_addr (push). vLLM NixlConnector:
+    the None fields, as its toy proxy sends them."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id, "decode_kv_addr": decode_kv_addr,
+            "remote_engine_id": None, "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
 @dataclass
@@ -111,16 +119,21 @@ class PDClient:
     """Runs client requests over the prefill and decode pools (see the module docstring)."""
 
     def __init__(self, prefill: PoolConfig, decode: PoolConfig, scheduler: SchedulerConfig, session: aiohttp.ClientSession,
-                 metrics: Metrics, model_id: str = "") -> None:
-        check_topology(prefill, decode)
+                 metrics: Metrics, model_id: str = "", registry: bool = False) -> None:
+        """`registry`: the pools start empty and fill as vLLM P2pNccl instances register (add_backend)."""
+        if not registry:
+            check_topology(prefill, decode)
         self.config = scheduler
-        self.colocated = is_colocated(prefill, decode)
+        self.p2pnccl = registry
+        self.colocated = not registry and is_colocated(prefill, decode)
         self.mode = "colocated" if self.colocated else "disaggregated"
+        self._pool_configs = {"prefill": prefill, "decode": decode}
         threshold, cooldown = scheduler.breaker_failures, scheduler.breaker_cooldown_ms / 1000
-        pools = {"decode": build_pool(decode, "both" if self.colocated else "decode", threshold, cooldown)}
+        pools = {"decode": [] if registry else build_pool(decode, "both" if self.colocated else "decode", threshold, cooldown)}
         if not self.colocated:
-            pools["prefill"] = build_pool(prefill, "prefill", threshold, cooldown)
+            pools["prefill"] = [] if registry else build_pool(prefill, "prefill", threshold, cooldown)
         self.backends: list[Backend] = [b for pool in pools.values() for b in pool]
+        self._background: set[asyncio.Task[None]] = set()
         self.scheduler = Scheduler(scheduler, pools)
         self.session = session
         self.metrics = metrics
@@ -149,7 +162,28 @@ class PDClient:
             self._monitor = asyncio.create_task(self._monitor_loop(), name="pd-health-monitor")
         await self._learn_model()
 
+    def add_backend(self, role: str, url: str, zmq_address: str) -> None:
+        """A registered vLLM P2pNccl instance joins its pool; its health is vLLM's GET /health."""
+        pool = self._pool_configs[role]
+        breaker = Breaker(url, self.config.breaker_failures, self.config.breaker_cooldown_ms / 1000)
+        backend = Backend(url, role, pool.max_concurrent, zmq_address, f"{url}/health", breaker, "http")  # type: ignore[arg-type]
+        self.scheduler.pools[role].append(backend)
+        self.backends.append(backend)
+        self.scheduler.wake_all(role)
+        if role == "decode" and not self._model_learned:
+            task = asyncio.get_running_loop().create_task(self._learn_model())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    def remove_backend(self, url: str) -> None:
+        """A registered instance left: no new requests go there (those in flight finish or fail on their own)."""
+        for pool in self.scheduler.pools.values():
+            pool[:] = [b for b in pool if b.url != url]
+        self.backends[:] = [b for b in self.backends if b.url != url]
+
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         if self._monitor is not None:
             self._monitor.cancel()
             await asyncio.gather(self._monitor, return_exceptions=True)
@@ -335,11 +369,11 @@ class PDClient:
                     raise last_failure.error from None
                 raise
             try:
-                kv_params = None if self.colocated else await self._prefill(job, decode, attempt)
+                kv_params, leg_id = (None, job.request_id) if self.colocated else await self._prefill(job, decode, attempt)
                 if self.colocated:
                     log_event(events.ROUTER_SCHEDULED, f"colocated on {decode.url}", request_id=job.request_id, prefill=decode.url,
                               decode=decode.url, policy=self.config.policy, mode=self.mode, attempt=attempt)
-                return await self._decode(job, decode, kv_params)
+                return await self._decode(job, decode, kv_params, leg_id)
             except LegFailed as failure:
                 self.scheduler.release(decode, job.decode_tokens)
                 self._decode_failed(job, decode, failure, mid_stream=False, retried=failure.retryable and attempt <= self.config.max_retries)
@@ -354,8 +388,9 @@ class PDClient:
         assert last_failure is not None, "retry loop ended without a failure"
         raise last_failure.error
 
-    async def _prefill(self, job: _Job, decode: Backend, attempt: int) -> dict[str, Any]:
-        """Prefill leg with retries on other prefills; returns the kv_transfer_params for decode."""
+    async def _prefill(self, job: _Job, decode: Backend, attempt: int) -> tuple[dict[str, Any] | None, str]:
+        """Prefill leg with retries on other prefills; returns the kv_transfer_params for decode (None for P2pNccl)
+        and the request id both legs carry."""
         tried: set[Backend] = set()
         last_failure: LegFailed | None = None
         for tries in range(1, self.config.max_retries + 2):
@@ -365,13 +400,17 @@ class PDClient:
                 if last_failure is None:
                     raise
                 break
-            transfer_id = uuid.uuid4().hex
+            if self.p2pnccl:  # the KV route is in the request id (both registered zmq addresses)
+                transfer_id = leg_id = leg_request_id(prefill.kv_addr, decode.kv_addr)
+                body = job.prefill_body(None)
+            else:
+                transfer_id, leg_id = uuid.uuid4().hex, job.request_id
+                body = job.prefill_body(_push_params(transfer_id, decode.kv_addr))
             log_event(events.ROUTER_SCHEDULED, f"prefill {prefill.url} → decode {decode.url}", request_id=job.request_id,
                       prefill=prefill.url, decode=decode.url, policy=self.config.policy, mode=self.mode, attempt=attempt, prefill_attempt=tries)
             started = time.perf_counter()
             try:
-                answer = await post_json(self.session, prefill, job.path, job.prefill_body(transfer_id, decode.kv_addr), job.request_id,
-                                         self._timeouts["prefill"])
+                answer = await post_json(self.session, prefill, job.path, body, leg_id, self._timeouts["prefill"])
             except LegFailed as failure:
                 self._failed(prefill, failure)
                 retried = failure.retryable and tries <= self.config.max_retries
@@ -390,26 +429,27 @@ class PDClient:
             self._succeeded(prefill)
             elapsed = time.perf_counter() - started
             self.metrics.prefill.observe(elapsed)
-            kv_params = answer.get("kv_transfer_params")
-            if not isinstance(kv_params, dict):
+            kv_params = None if self.p2pnccl else answer.get("kv_transfer_params")  # P2pNccl: P pushed to D's zmq address
+            if not self.p2pnccl and not isinstance(kv_params, dict):
                 log_event(events.ROUTER_PREFILL_FAILED, f"prefill {prefill.url} answered without kv_transfer_params", "ERROR",
                           request_id=job.request_id, prefill=prefill.url, status=200, error="no kv_transfer_params", attempt=tries, retried=False)
                 raise UpstreamError("the prefill engine returned no kv_transfer_params (is it running as a KV producer?)")
+            transfer_id = (kv_params or {}).get("transfer_id", transfer_id)
             log_event(events.ROUTER_PREFILL_DONE, f"prefill done in {elapsed * 1000:.1f} ms", request_id=job.request_id,
-                      prefill=prefill.url, prefill_ms=round(elapsed * 1000, 2), transfer_id=kv_params.get("transfer_id", transfer_id))
+                      prefill=prefill.url, prefill_ms=round(elapsed * 1000, 2), transfer_id=transfer_id)
             log_event(events.ROUTER_KV_HANDOFF, f"handing KV to decode {decode.url}", request_id=job.request_id, decode=decode.url,
-                      transfer_id=kv_params.get("transfer_id", transfer_id), kv_transfer_params=sorted(kv_params))
-            return kv_params
+                      transfer_id=transfer_id, kv_transfer_params=sorted(kv_params or ()))
+            return kv_params, leg_id
         assert last_failure is not None, "prefill loop ended without a failure"
         raise last_failure.error
 
-    async def _decode(self, job: _Job, decode: Backend, kv_params: dict[str, Any] | None) -> _Leg:
-        """Send the decode leg; return once it answered (JSON) or produced its first chunk (stream)."""
+    async def _decode(self, job: _Job, decode: Backend, kv_params: dict[str, Any] | None, leg_id: str) -> _Leg:
+        """Send the decode leg (X-Request-ID `leg_id`); return once it answered (JSON) or produced its first chunk (stream)."""
         body = job.decode_body(kv_params)
         sent = time.perf_counter()
         if not job.stream:
             try:
-                answer = await post_json(self.session, decode, job.path, body, job.request_id, self._timeouts["decode_json"])
+                answer = await post_json(self.session, decode, job.path, body, leg_id, self._timeouts["decode_json"])
             except LegFailed as failure:
                 self._failed(decode, failure)
                 raise
@@ -418,7 +458,7 @@ class PDClient:
         response: aiohttp.ClientResponse | None = None
         try:
             async with asyncio.timeout(self._first_chunk_s):
-                response = await open_stream(self.session, decode, job.path, body, job.request_id, self._timeouts["decode_stream"])
+                response = await open_stream(self.session, decode, job.path, body, leg_id, self._timeouts["decode_stream"])
                 batches = aiter(read_event_batches(response.content))
                 frames = [data for _event, data in await anext(batches, [(None, DONE)])]
                 if frames[0] == DONE:

@@ -90,7 +90,7 @@ class Scheduler:
         wait = min((b.breaker.retry_after_s() for b in open_), default=self.config.health_interval_ms / 1000)
         detail = "; ".join(filter(None, [f"down: {', '.join(down)}" if down else "",
                                          f"circuit open: {', '.join(b.url for b in open_)}" if open_ else ""]))
-        raise NoBackendAvailable(f"no {role} backend is available ({detail or 'none configured'})", code=f"no_{role}_backend",
+        raise NoBackendAvailable(f"no {role} backend is available ({detail or 'none configured or registered'})", code=f"no_{role}_backend",
                                  headers=_retry_after(wait))
 
     async def acquire(self, role: str, tokens: int, exclude: Collection[Backend] = ()) -> Backend:

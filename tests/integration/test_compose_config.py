@@ -41,11 +41,28 @@ def test_gpu_overlay_validates_with_vllm_and_gpu_reservations(resolve, files, co
         assert svc["image"].startswith("vllm/vllm-openai")
         assert "build" not in svc  # never build our Dockerfile under vLLM's name
         assert svc["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
-        kv_config = json.loads(next(a for a in svc["command"] if a.startswith("--kv-transfer-config="))
-                               .split("=", 1)[1])
+        kv_config = _kv_config(svc)
         assert kv_config["kv_connector"] == connector
         assert kv_config["kv_role"] == role
     assert config["services"]["router"]["image"] == "pd-deploy/app:latest"
+
+
+def _kv_config(service: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(next(a for a in service["command"] if a.startswith("--kv-transfer-config=")).split("=", 1)[1])
+
+
+def test_p2pnccl_engines_register_at_the_router_address_they_are_given(resolve) -> None:
+    """P2pNccl: each engine pings the router's fixed address and registry port, announces the fixed address it
+    really has (VLLM_HOST_IP), and keeps request ids unrandomized; the router runs its registry on that port."""
+    services = resolve(P2PNCCL, {"P2P_SUBNET": "10.77.0.0/24", "P2P_ROUTER_IP": "10.77.0.2", "P2P_PREFILL_IP": "10.77.0.11",
+                                 "P2P_DECODE_IP": "10.77.0.12"})["services"]
+    router = services["router"]
+    assert router["environment"]["P2PNCCL_REGISTRY_PORT"] == "30001"
+    for name, address in (("prefill", "10.77.0.11"), ("decode", "10.77.0.12")):
+        extra = _kv_config(services[name])["kv_connector_extra_config"]
+        assert (extra["proxy_ip"], extra["proxy_port"]) == (router["networks"]["p2p"]["ipv4_address"], "30001")
+        assert services[name]["networks"]["p2p"]["ipv4_address"] == services[name]["environment"]["VLLM_HOST_IP"] == address
+        assert services[name]["environment"]["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] == "1"
 
 
 def test_cpu_sets_come_from_env_and_are_absent_when_unset(resolve) -> None:

@@ -51,6 +51,18 @@ def test_backend_health_check_env_switches_both_pools_to_http() -> None:
         router_config.load(SHIPPED, env={"BACKEND_HEALTH_CHECK": "rest"})
 
 
+def test_p2pnccl_registry_port_from_env_needs_no_endpoints(tmp_path: Path) -> None:
+    """P2PNCCL_REGISTRY_PORT (the P2pNccl overlay) turns the registry on, and then no endpoint is required;
+    without it a settings file without endpoints is refused; a bad port names the variable."""
+    path = _settings(tmp_path, '[taotoken]\nmodel_id = "m"\n')
+    assert router_config.load(path, env={"P2PNCCL_REGISTRY_PORT": "30001"}).p2pnccl.registry_port == 30001
+    with pytest.raises(ConfigError, match="prefill.endpoint: no endpoint"):
+        router_config.load(path, env={})
+    with pytest.raises(ConfigError, match="P2PNCCL_REGISTRY_PORT: must be a port number"):
+        router_config.load(path, env={"P2PNCCL_REGISTRY_PORT": "zmq"})
+    assert router_config.load(SHIPPED, env={}).p2pnccl.registry_port == 0
+
+
 @pytest.mark.parametrize(("text", "key"), [
     ('[taotoken]\napi_key = "sk-live-0123456789abcdef"\n', "taotoken.api_key"),
     ('[taotoken]\nmodel_id = "sk-proj-abcdefghijk"\n', "taotoken.model_id"),
@@ -74,6 +86,8 @@ def test_key_looking_values_stop_start_up(tmp_path: Path, text: str, key: str) -
     ('[scheduler]\npolicy = "random"\n', "settings.toml: scheduler.policy: must be one of"),
     ('[taotoken]\napi_key_env = "my key"\n', "settings.toml: taotoken.api_key_env: must be the NAME"),
     ('[limits]\nrqm = 5\n', "settings.toml: limits.rqm: unknown key"),
+    ('[p2pnccl]\ninstance_ttl_ms = 0\n', "settings.toml: p2pnccl.instance_ttl_ms: must be > 0"),
+    ('[usage]\nflush_interval_ms = 0\n', "settings.toml: usage.flush_interval_ms: must be > 0"),
 ])
 def test_invalid_values_name_file_key_and_problem(tmp_path: Path, text: str, message: str) -> None:
     """A bad value gives one line: file, dotted key, problem."""
