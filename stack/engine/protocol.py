@@ -100,6 +100,20 @@ def parse_request(kind: Kind, data: dict[str, Any], *, model_id: str, tokenizer:
     return CompletionRequest(kind, model, tuple(prompt_tokens), sampling, stream, include_usage, kv_transfer)
 
 
+def parse_tokenize(data: dict[str, Any], *, model_id: str, tokenizer: Tokenizer) -> list[int]:
+    """POST /tokenize as vLLM takes it: `prompt`, or `messages` (+ `add_generation_prompt`, default true)."""
+    model = _field(data, "model", str)
+    if model is not None and model != model_id:
+        raise NotFound(f"The model `{model}` does not exist. This engine serves `{model_id}`.", code="model_not_found", param="model")
+    if "messages" not in data:
+        return _prompt_tokens(data, tokenizer)
+    add_generation_prompt = _field(data, "add_generation_prompt", bool)
+    try:
+        return tokenizer.encode_chat(_messages(data), add_generation_prompt=add_generation_prompt is not False)
+    except ChatTemplateError as exc:
+        raise InvalidRequest(str(exc), param="messages", code="invalid_messages") from None
+
+
 def _field(data: dict[str, Any], key: str, tp: type, *, required: bool = False, prefix: str = "") -> Any:
     value = data.get(key)
     if value is None:

@@ -1,4 +1,4 @@
-"""The engine's HTTP face: OpenAI chat/completions (streamed or not), /v1/models, /health.
+"""The engine's HTTP face: OpenAI chat/completions (streamed or not), /v1/models, /tokenize, /health.
 
 `create_app(config, model)` wires the scheduler, the KV hand-off and the KV listener into one
 aiohttp app (state in `web.AppKey`s, started and stopped in `cleanup_ctx`). Errors leave through
@@ -68,6 +68,7 @@ def create_app(config: EngineConfig, model: Model) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/health", health)
     return app
 
@@ -108,6 +109,14 @@ async def models(request: web.Request) -> web.Response:
     card = {"id": engine.config.model, "object": "model", "created": engine.started, "owned_by": "pd-deploy",
             "root": engine.model.name, "max_model_len": engine.max_model_len}
     return web.json_response({"object": "list", "data": [card]})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """POST /tokenize (vLLM's): the prompt's token ids and count, as a completion would see them."""
+    engine = request.app[ENGINE]
+    data = protocol.parse_json(await request.read())
+    tokens = protocol.parse_tokenize(data, model_id=engine.config.model, tokenizer=engine.model.tokenizer)
+    return web.json_response({"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens, "token_strs": None})
 
 
 async def health(request: web.Request) -> web.Response:

@@ -26,7 +26,7 @@ import aiohttp
 from loguru import logger
 
 from stack.common import events
-from stack.common.errors import UpstreamError
+from stack.common.errors import REQUEST_ID_HEADER, UpstreamError
 from stack.common.health import NOT_SERVING, SERVING, TIMEOUT, UNREACHABLE, probe_async
 from stack.common.logging import log_event
 from stack.common.sse import DONE, read_event_batches
@@ -144,6 +144,7 @@ class PDClient:
             "prefill": timeout(scheduler.connect_timeout_ms, scheduler.prefill_timeout_ms),
             "decode_json": timeout(scheduler.connect_timeout_ms, scheduler.request_timeout_ms),
             "decode_stream": timeout(scheduler.connect_timeout_ms, scheduler.request_timeout_ms, scheduler.idle_timeout_ms),
+            "tokenize": timeout(scheduler.connect_timeout_ms, scheduler.first_token_timeout_ms),
         }
         self._first_chunk_s = (scheduler.kv_transfer_timeout_ms + scheduler.first_token_timeout_ms) / 1000
         metrics.add_gauges({
@@ -235,6 +236,22 @@ class PDClient:
                 return
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
                 continue
+
+    async def count_tokens(self, request_id: str, prompt: dict[str, Any]) -> int | None:
+        """The engines' token count for `prompt` ({"messages": …} or {"prompt": …}) from vLLM's POST /tokenize on a
+        usable decode, or None if none answers (then the caller estimates). Takes no slot: it is cheap."""
+        for backend in self.scheduler.pools["decode"]:
+            if not backend.usable:
+                continue
+            try:
+                async with self.session.post(backend.url + "/tokenize", json={"model": self.backend_model, **prompt},
+                                             headers={REQUEST_ID_HEADER: request_id}, timeout=self._timeouts["tokenize"]) as response:
+                    count = (await response.json(content_type=None)).get("count") if response.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+                continue
+            if isinstance(count, int) and not isinstance(count, bool):
+                return count
+        return None
 
     def health_snapshot(self) -> dict[str, Any]:
         return {"mode": self.mode, "policy": self.config.policy, "queue_depth": self.scheduler.queue_depth,

@@ -120,10 +120,13 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 async def count_tokens(request: web.Request) -> web.Response:
-    """POST /v1/messages/count_tokens: the router's estimate (~4 characters a token; it has no tokenizer)."""
+    """POST /v1/messages/count_tokens: the engines' own count (their /tokenize, as the messages request would be
+    prompted), or the router's estimate (~4 characters a token) when no engine can say."""
     params = Params(await read_json(request))
     resolve_model(request, params.string("model", required=True) or "")
-    return web.json_response({"input_tokens": estimate_prompt_tokens({"messages": _parse(params)})})
+    chat = _parse(params)
+    counted = await request.app[PD].count_tokens(request[REQUEST_ID], {"messages": chat})
+    return web.json_response({"input_tokens": counted if counted is not None else estimate_prompt_tokens({"messages": chat})})
 
 
 def _event(data: dict[str, Any]) -> bytes:

@@ -150,6 +150,25 @@ async def test_bad_request_is_a_4xx_in_openai_shape_and_the_engine_keeps_serving
     assert ok.status == 200
 
 
+async def test_tokenize_counts_what_a_completion_would_see(engine_client) -> None:
+    """/tokenize (vLLM's shape) counts chat messages as the chat completion's prompt_tokens, and a plain prompt as
+    /v1/completions does; a wrong model or a bad body is a 4xx in OpenAI's shape."""
+    engine = await engine_client()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"}]
+    counted = await (await engine.client.post("/tokenize", json={"model": "tiny", "messages": messages})).json()
+    answered = await (await engine.client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 1})).json()
+    assert counted["count"] == answered["usage"]["prompt_tokens"] == len(counted["tokens"]) and counted["max_model_len"] == 512
+    without_prompt = await (await engine.client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False})).json()
+    assert without_prompt["count"] < counted["count"]  # the assistant header is not counted
+    plain = await (await engine.client.post("/tokenize", json={"prompt": "Once upon a time"})).json()
+    completion = await (await engine.client.post("/v1/completions", json={"model": "tiny", "prompt": "Once upon a time", "max_tokens": 1})).json()
+    assert plain["count"] == completion["usage"]["prompt_tokens"]
+    wrong = await engine.client.post("/tokenize", json={"model": "other", "prompt": "x"})
+    assert wrong.status == 404 and (await wrong.json())["error"]["code"] == "model_not_found"
+    bad = await engine.client.post("/tokenize", json={"messages": "not a list"})
+    assert bad.status == 400 and (await bad.json())["error"]["param"] == "messages"
+
+
 async def test_models_and_health(engine_client) -> None:
     """/v1/models lists the configured id; /health is 503 until warm-up, then 200 with load numbers."""
     from stack.engine.server import warm_up

@@ -112,8 +112,17 @@ async def test_anthropic_messages_streamed_equals_not_streamed(claude) -> None:
     assert final.stop_reason == full.stop_reason
 
 
-async def test_anthropic_count_tokens(claude) -> None:
-    """count_tokens answers an estimate that grows with the prompt."""
+async def test_anthropic_count_tokens_is_the_engines_count(claude) -> None:
+    """count_tokens gives exactly the input_tokens the same Messages request is then charged (the engine tokenizes)."""
+    counted = await claude.messages.count_tokens(model=MODEL, system="Be brief.", messages=_messages())
+    answered = await claude.messages.create(model=MODEL, max_tokens=1, system="Be brief.", messages=_messages())
+    assert counted.input_tokens == answered.usage.input_tokens > 0
+
+
+async def test_anthropic_count_tokens_estimates_when_no_engine_can_count(make_router, sdk) -> None:
+    """Over an engine without /tokenize (the stand-in) count_tokens still answers: an estimate that grows with the prompt."""
+    router = await make_router()
+    claude = sdk(anthropic.AsyncAnthropic, base_url=str(router.make_url("")), auth_token=KEY)
     short = await claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     long = await claude.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "hi " * 100}])
     assert 0 < short.input_tokens < long.input_tokens
