@@ -115,6 +115,30 @@ class _Leg:
     rest: list[str] = field(default_factory=list)  # the other frames that arrived with the first
 
 
+class _Tally:
+    """What a relayed stream has shown so far: token chunks (ITL observed between them), finish, usage."""
+
+    def __init__(self, metrics: Metrics, started: float) -> None:
+        self.metrics = metrics
+        self.last = started
+        self.tokens = 0
+        self.finished = False
+        self.usage: dict[str, Any] | None = None
+
+    def count(self, chunks: list[dict[str, Any]]) -> None:
+        now = time.perf_counter()  # chunks of one batch arrived together: the gaps inside it are 0
+        for chunk in chunks:
+            choices = chunk.get("choices")
+            if choices:
+                if self.tokens:
+                    self.metrics.itl.observe(now - self.last)
+                self.tokens += 1
+                self.last = now
+                self.finished = self.finished or bool(choices[0].get("finish_reason"))
+            if chunk.get("usage"):
+                self.usage = chunk["usage"]
+
+
 class PDClient:
     """Runs client requests over the prefill and decode pools (see the module docstring)."""
 
@@ -200,9 +224,10 @@ class PDClient:
 
     async def _probe_all(self) -> None:
         probe_timeout = min(2.0, max(0.2, self.config.health_interval_ms / 1000))
-        states = await asyncio.gather(*(self._probe(b, probe_timeout) for b in self.backends))
+        backends = list(self.backends)  # P2pNccl instances may join or leave while the probes run
+        states = await asyncio.gather(*(self._probe(b, probe_timeout) for b in backends))
         changed = False
-        for backend, state in zip(self.backends, states):
+        for backend, state in zip(backends, states):
             backend.probe_timeouts = backend.probe_timeouts + 1 if state == TIMEOUT else 0
             if 0 < backend.probe_timeouts < self.config.health_timeouts_to_down:
                 continue
@@ -298,10 +323,8 @@ class PDClient:
         leg = await self._run(job)
         decode, response, batches = leg.decode, leg.response, leg.batches
         assert response is not None and batches is not None and leg.first is not None, "stream leg opened without a first chunk"
-        finished = done = False
-        usage: dict[str, Any] | None = None
-        token_chunks = 0
-        last = job.started
+        tally = _Tally(self.metrics, job.started)
+        done = False
         try:
             chunks, frames = [leg.first], leg.rest
             while True:
@@ -315,19 +338,8 @@ class PDClient:
                     except (LegFailed, ValueError) as exc:
                         bad = exc
                         break
-                now = time.perf_counter()
-                for chunk in chunks:
-                    choices = chunk.get("choices")
-                    if choices:
-                        if token_chunks:
-                            self.metrics.itl.observe(now - last)
-                        token_chunks += 1
-                        last = now
-                        if choices[0].get("finish_reason"):
-                            finished = True
-                    if chunk.get("usage"):
-                        usage = chunk["usage"]
                 if chunks:
+                    tally.count(chunks)
                     yield chunks
                 if bad is not None:
                     raise bad
@@ -337,18 +349,18 @@ class PDClient:
                 if batch is None:
                     break
                 chunks, frames = [], [data for _event, data in batch]
-            if not (done and finished):
+            if not (done and tally.finished):
                 raise LegFailed(UpstreamError("the decode engine's stream ended early (no finish_reason or [DONE]); the answer is incomplete"),
                                 retryable=True)
-            if usage is None:
+            if tally.usage is None:
                 # Engines that ignore include_usage: count relayed chunks (prompt from the router's estimate).
-                usage = {"prompt_tokens": job.prompt_tokens, "completion_tokens": token_chunks, "total_tokens": job.prompt_tokens + token_chunks}
+                usage = {"prompt_tokens": job.prompt_tokens, "completion_tokens": tally.tokens, "total_tokens": job.prompt_tokens + tally.tokens}
                 yield [{"id": leg.first.get("id", ""), "object": leg.first.get("object", "chat.completion.chunk"),
                         "created": leg.first.get("created", 0), "model": leg.first.get("model", ""), "choices": [], "usage": usage}]
             self._succeeded(decode)
         except (GeneratorExit, asyncio.CancelledError):
             log_event(events.ROUTER_CLIENT_DISCONNECTED, "client went away; upstream decode cancelled", "WARNING",
-                      request_id=job.request_id, decode=decode.url, chunks_relayed=token_chunks)
+                      request_id=job.request_id, decode=decode.url, chunks_relayed=tally.tokens)
             raise
         except LegFailed as failure:
             self._decode_failed(job, decode, failure, mid_stream=True)
