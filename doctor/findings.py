@@ -134,7 +134,7 @@ class Check:
 
 def registry() -> tuple[Check, ...]:
     """Every diagnosis, in report order. `healthy` and `stalled` are decided after the others."""
-    from doctor.checks import auth_401, choices_parse, kv_transfer, local_proxy, oauth
+    from doctor.checks import auth_401, choices_parse, kv_transfer, local_proxy, oauth, p2pnccl
 
     return (
         Check("auth", "401s, missing router key, quota vs rate limit", auth_401.check),
@@ -145,6 +145,8 @@ def registry() -> tuple[Check, ...]:
               choices_parse.check),
         Check("kv_transfer", "KV port mismatch, unreachable KV port, buffer too small, timeouts, model mismatch",
               kv_transfer.check),
+        Check("p2pnccl", "vLLM P2pNccl engines not registered with the router, dropped, or pinging another format",
+              p2pnccl.check),
     )
 
 

@@ -18,6 +18,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from doctor import environment
+from doctor.findings import Context, Finding, run_checks
+from doctor.sources import load_files
 from stack.common import events
 from stack.common.config import ConfigError
 from stack.router import config as router_config
@@ -122,6 +125,15 @@ def chat(stream: bool) -> dict[str, Any]:
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
+def doctor(tmp_path: Path, lines: list[dict[str, Any]]) -> dict[str, Finding]:
+    """What `python -m doctor diagnose --logs router.log` finds in these router log lines."""
+    path = tmp_path / "router.log"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    loaded = load_files([str(path)])
+    env = environment.snapshot(tmp_path, environ={}, router_url="http://localhost:8080")
+    return {f.id: f for f in run_checks(Context.build(loaded.records, env, loaded.stats))}
+
+
 def test_registration_is_read_as_vllm_sends_it() -> None:
     """vLLM's ping (msgpack map) gives role, URL and KV address; anything else is a precise error."""
     ping = msgpack.packb({"type": "D", "http_address": "10.0.1.3:8000", "zmq_address": "10.0.1.3:22001"})
@@ -179,6 +191,34 @@ async def test_registered_instances_serve_and_leave(fake, pingers, aiohttp_clien
     assert [e["backend"] for e in logs.events(events.P2PNCCL_LEFT)] == [decode.url]
     gone = await router.post("/v1/chat/completions", json=chat(False), headers=AUTH)
     assert gone.status == 503 and len(decode.seen) == 1
+    # The doctor, from the router's log alone: the decode was dropped (not "never registered").
+    found = doctor(tmp_path, logs.lines)
+    assert found["p2pnccl.left"].severity == "warning" and "docker compose logs decode" in found["p2pnccl.left"].fix
+    assert "p2pnccl.no_decode" not in found
+
+
+async def test_the_doctor_names_the_engine_that_never_registered(fake, pingers, aiohttp_client, tmp_path, logs) -> None:
+    """Only a prefill registers: requests get 503, and the doctor says no decode registered, with the proxy fix;
+    a stranger's pings on the port are a separate warning."""
+    port = free_port()
+    router = await aiohttp_client(create_app(router_config.load(write_settings(tmp_path, port), env={}), env={"PD_TEST_KEY": KEY}))
+    prefill = await fake("prefill")
+    pingers(port, "P", prefill.url.removeprefix("http://"), "127.0.0.1:21001")
+    pingers(port, "X", "not-an-engine:1", "not-an-engine:2")
+    await wait_for_instances(router, 1)
+    for _ in range(2):
+        assert (await router.post("/v1/chat/completions", json=chat(False), headers=AUTH)).status == 503
+    deadline = time.monotonic() + 10
+    while not logs.events(events.P2PNCCL_BAD_PING):
+        assert time.monotonic() < deadline, "the stranger's ping was never logged"
+        await asyncio.sleep(0.02)
+    found = doctor(tmp_path, logs.lines)
+    missing = found["p2pnccl.no_decode"]
+    assert missing.severity == "error" and "2 request(s)" in missing.title and len(missing.request_ids) == 2
+    assert "proxy_ip" in missing.fix and "kv_consumer" in missing.cause
+    assert "(registry)" in " ".join(e.line for e in missing.evidence)
+    assert "type must be 'P' or 'D'" in found["p2pnccl.bad_ping"].cause
+    assert "p2pnccl.no_prefill" not in found and len(prefill.seen) == 0
 
 
 async def test_a_ping_not_in_vllm_format_is_logged_once_and_ignored(aiohttp_client, tmp_path, logs) -> None:
