@@ -20,6 +20,7 @@ TokenCounter = Callable[[str], int]
 MIN_SEQ_LEN = 4
 MAX_PROMPT_LEN = 1024
 MAX_TOTAL_LEN = 2048
+CHAT_TEMPLATE_ROOM = 64  # tokens the chat template adds around a synthetic prompt (the engines count them)
 
 # Words for synthetic prompts: ordinary English so the text looks like chat, not noise.
 _WORDS = (
@@ -129,12 +130,20 @@ def synthetic_sharegpt(
     max_input: int = 2048,
     max_output: int = 512,
     count: TokenCounter = byte_count,
+    max_total: int = MAX_TOTAL_LEN - CHAT_TEMPLATE_ROOM,
 ) -> list[SampleRequest]:
     """ShareGPT-like set: log-normal input/output lengths (right-skewed like real chat) with the
     given means and log-space spread `sigma` (0 = every request exactly the mean), clipped to
-    [MIN_SEQ_LEN, max]."""
+    [MIN_SEQ_LEN, max]. A pair longer than `max_total` in all (the context the engines serve, less
+    room for the chat template) is drawn again, as vLLM's ShareGPT filter drops it: a request that
+    cannot fit measures nothing."""
     inputs = _lognormal_lengths(rng, num_requests, input_mean, sigma, max_input)
     outputs = _lognormal_lengths(rng, num_requests, output_mean, sigma, max_output)
+    if input_mean + output_mean > max_total:
+        raise DatasetError(f"mean lengths {input_mean} + {output_mean} exceed the {max_total}-token total a request may have")
+    while (over := np.flatnonzero(inputs + outputs > max_total)).size:
+        inputs[over] = _lognormal_lengths(rng, over.size, input_mean, sigma, max_input)
+        outputs[over] = _lognormal_lengths(rng, over.size, output_mean, sigma, max_output)
     samples = []
     for n, out in zip(inputs, outputs):
         text = _text_of_length(rng, int(n), count)

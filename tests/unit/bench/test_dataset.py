@@ -75,6 +75,20 @@ def test_synthetic_length_distribution() -> None:
     assert outputs.mean() == pytest.approx(128, abs=12) and outputs.max() <= 512
 
 
+def test_synthetic_pairs_always_fit_the_context() -> None:
+    """No drawn request needs more than the total context (prompt + output): such pairs are drawn again, so a
+    long-tailed set never sends a request the engine must refuse; the rest of the set is as drawn."""
+    plain = synthetic_sharegpt(300, np.random.default_rng(2), input_mean=800, output_mean=128, sigma=0.5, max_total=10_000)
+    assert max(s.prompt_len + s.expected_output_len for s in plain) > 1984  # the tail does cross the line
+    fitted = synthetic_sharegpt(300, np.random.default_rng(2), input_mean=800, output_mean=128, sigma=0.5)
+    assert max(s.prompt_len + s.expected_output_len for s in fitted) <= 1984
+    for a, b in zip(plain, fitted):  # pairs that fit are untouched, at their place
+        if a.prompt_len + a.expected_output_len <= 1984:
+            assert (a.prompt_len, a.expected_output_len) == (b.prompt_len, b.expected_output_len)
+    with pytest.raises(DatasetError, match="exceed"):
+        synthetic_sharegpt(1, np.random.default_rng(0), input_mean=1900, output_mean=200)
+
+
 def test_synthetic_counts_with_the_given_tokenizer() -> None:
     """With a tokenizer, lengths are in its tokens (a word counter here), not bytes."""
     words = lambda text: len(text.split())  # noqa: E731 — a stand-in tokenizer: one token per word
