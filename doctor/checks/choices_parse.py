@@ -77,9 +77,11 @@ def _stream_without_done(ctx: Context) -> list[Finding]:
         evidence += [r, *decode[:1]]
     return [finding(
         "choices.stream_without_done", "error",
-        f"{len(cut)} stream(s) stopped mid-way without data: [DONE]",
-        "Decode failed after the first tokens were relayed, so the client's stream ended without its terminal "
-        f"event (OpenAI SDK clients hang or read a half chunk). Decode said: {str(cut[0].get('error', ''))[:200]}",
+        f"{len(cut)} stream(s) broke mid-way: decode's stream ended without data: [DONE]",
+        "Decode failed after the first tokens were relayed. The router ends such a stream with an in-band error "
+        "event (the OpenAI SDK raises APIError; a client that only reads choices sees a chunk without them, and one "
+        "behind another proxy may see the stream simply stop). Decode said: "
+        f"{str(cut[0].get('error', ''))[:200]}",
         "docker compose logs decode --since 10m; fix the decode error; clients should treat a stream that ends "
         "without [DONE] as failed and retry",
         evidence, [r.request_id for r in cut])]

@@ -100,6 +100,36 @@ client.chat.completions.create(model="your-model-id", messages=[{"role": "user",
 """
 
 
+# A client written like many tools: it asks for usage in the stream, then reads choices[0] of every chunk.
+NAIVE_STREAM = """
+import openai, sys
+client = openai.OpenAI(base_url=sys.argv[1], api_key=sys.argv[2], max_retries=0, timeout=60)
+stream = client.chat.completions.create(model="your-model-id", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                        stream=True, stream_options={"include_usage": True}, extra_headers={"X-Request-ID": sys.argv[3]})
+for chunk in stream:
+    print(chunk.choices[0].delta.content or "", end="")
+"""
+
+
+def test_client_indexing_the_usage_chunk_is_told_to_skip_empty_choices(pd_stack: Stack, home, tmp_path):
+    """The article's `list index out of range`, for real: the usage chunk (choices: []) the client asked for crashes
+    a client that indexes choices[0]; the doctor pairs its traceback with the router's usage_chunk line."""
+    rid = new_id("choices")
+    done = subprocess.run([sys.executable, "-c", NAIVE_STREAM, pd_stack.base_url, pd_stack.api_key, rid],
+                          capture_output=True, text=True, timeout=120)  # bound: a hang guard, not a speed check
+    assert done.returncode != 0 and "IndexError: list index out of range" in done.stderr
+    client_log = tmp_path / "client.txt"
+    client_log.write_text(done.stderr)
+    wait_logged(pd_stack, "router", "router.usage_chunk", rid)
+    code, doc = diagnose(pd_stack, str(home), "--request-id", rid, "--client-log", str(client_log))
+    f = finding(doc, "choices.empty_choices_chunk")
+    assert code == 0 and f["severity"] == "warning"  # a client-side fix: a warning, not a stack failure (--strict: 1)
+    assert rid in f["request_ids"] and "if not chunk.choices: continue" in f["fix"]
+    assert {"client", "router"} <= services(f)
+    assert any('"router.usage_chunk"' in e["line"] and '"client_asked": true' in e["line"] for e in f["evidence"])
+    assert "choices.usage_chunk_unasked" not in {x["id"] for x in doc["findings"]}  # the router sent it because asked
+
+
 def test_proxy_variable_pointing_at_a_dead_port(pd_stack: Stack, home, tmp_path, monkeypatch):
     """HTTP_PROXY at a dead port, no NO_PROXY: the real SDK fails to connect; the doctor names the variable."""
     dead = f"http://127.0.0.1:{free_port()}"

@@ -6,12 +6,14 @@ import json
 import time
 import urllib.request
 import uuid
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
 from tests.integration.compose_stack import Stack, parse_ts
+from tests.integration.doctor_helpers import diagnose, finding, services
 
 pytestmark = pytest.mark.integration
 
@@ -105,7 +107,7 @@ def test_streamed_chat_goes_through_prefill_then_decode(pd_stack: Stack) -> None
     assert any(e["event"] == "router.kv_handoff" for e in pd_stack.events("router", request_id))
 
 
-def test_killing_decode_mid_stream_is_a_clean_error_and_recovers(pd_stack: Stack) -> None:
+def test_killing_decode_mid_stream_is_a_clean_error_and_recovers(pd_stack: Stack, tmp_path: Path) -> None:
     """docker kill decode during a stream: the SDK raises an API error, the router marks decode down, then serves again."""
     decode = pd_stack.container("decode")
     try:
@@ -121,6 +123,10 @@ def test_killing_decode_mid_stream_is_a_clean_error_and_recovers(pd_stack: Stack
         # Bounds: the router's gRPC health probe notices within a few probe intervals; 30 s only catches a hang.
         assert _wait_decode_state(pd_stack, "down", timeout_s=30) == "down"
         assert any(e["event"] == "router.decode_failed" and e.get("mid_stream") for e in pd_stack.events("router", "it-kill"))
+        # The doctor, from the stack's logs alone, names the broken stream and its request.
+        code, doc = diagnose(pd_stack, str(tmp_path), "--request-id", "it-kill")
+        cut = finding(doc, "choices.stream_without_done")
+        assert code == 1 and cut["request_ids"] == ["it-kill"] and "router" in services(cut)
     finally:
         decode.reload()
         if decode.status != "running":  # the later tests need a decode, whatever happened above

@@ -99,7 +99,7 @@ def test_python_dash_m_entry_point():
     done = subprocess.run([sys.executable, "-m", "doctor", "diagnose", "--logs", str(BUNDLES / "stream_cut.log")],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
-    assert done.stdout.splitlines()[1] == "[FAIL] 1 stream(s) stopped mid-way without data: [DONE]"
+    assert done.stdout.splitlines()[1] == "[FAIL] 1 stream(s) broke mid-way: decode's stream ended without data: [DONE]"
 
 
 def test_check_selects_diagnoses():
