@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 from pathlib import Path
 
+import docker
 import pytest
 
 from tests.integration.compose_stack import (
-    REPO, StackError, compose_run, stack_env, start_stack, unique_project, write_env_file,
+    REPO, STACK_VARIABLES, StackError, compose_run, stack_env, start_stack, unique_project, write_env_file,
 )
 
 pytestmark = pytest.mark.integration
@@ -38,6 +40,27 @@ def test_router_port_not_a_number_is_named(app_image: None) -> None:
         assert "ROUTER_PORT must be a port number 1..65535, got abc" in pd.stderr
     finally:
         env_file.unlink(missing_ok=True)
+
+
+def test_router_port_held_by_another_program_is_named_before_anything_starts(app_image: None) -> None:
+    """ROUTER_PORT taken by another program: ./pd up stops at once with one line naming the variable and the port,
+    instead of failing in compose's output after the engines started; no container is created."""
+    project = unique_project("pdt-busy")
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env_file = write_env_file(stack_env(project, {"ROUTER_PORT": str(port)}))
+        try:
+            env = {k: v for k, v in os.environ.items() if k not in STACK_VARIABLES} | {"PD_ENV_FILE": str(env_file)}
+            pd = subprocess.run([str(REPO / "pd"), "up"], cwd=REPO, env=env, capture_output=True, text=True,
+                                stdin=subprocess.DEVNULL)
+        finally:
+            env_file.unlink(missing_ok=True)
+    assert pd.returncode == 2, pd.stderr
+    assert f"error: ROUTER_PORT {port} is already in use on this machine (by another program)" in pd.stderr
+    assert "Traceback" not in pd.stderr
+    assert not docker.from_env().containers.list(all=True, filters={"label": f"com.docker.compose.project={project}"})
 
 
 def test_bad_kv_port_in_engine_config_fails_up_naming_the_key(app_image: None, tmp_path: Path) -> None:
