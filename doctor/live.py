@@ -216,7 +216,7 @@ def probe_engines(stack: Stack) -> list[Finding]:
         if service not in stack.containers:
             continue
         port = ROUTER_HEALTH_PORT if service == "router" else ENGINE_HEALTH_PORT
-        rc, out = stack.exec(service, ["python", "-m", "stack.common.health", f"127.0.0.1:{port}"])
+        rc, out = stack.exec(service, ["python", "-m", "stack.common.health_probe", f"127.0.0.1:{port}"])
         if rc == 0:
             found.append(ok(f"health.{service}", f"{service} gRPC health: SERVING"))
         else:

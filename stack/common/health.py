@@ -9,15 +9,12 @@ compose health checks and by the router's backend monitor). A probe that fails s
 
 from __future__ import annotations
 
-import sys
-
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-SERVING = "SERVING"
-NOT_SERVING = "NOT_SERVING"
-UNREACHABLE = "UNREACHABLE"
-TIMEOUT = "TIMEOUT"
+from stack.common.health_probe import NOT_SERVING, SERVING, TIMEOUT, UNREACHABLE
+
+__all__ = ["NOT_SERVING", "SERVING", "TIMEOUT", "UNREACHABLE", "HealthServer", "probe_async", "start_health_server"]
 
 
 class HealthServer:
@@ -67,26 +64,3 @@ async def probe_async(address: str, timeout: float = 2.0) -> str:
         except grpc.aio.AioRpcError as err:
             return _failure_name(err)
     return _status_name(response)
-
-
-def probe(address: str, timeout: float = 2.0) -> str:
-    """Blocking variant of probe_async, for health-check commands and the doctor."""
-    with grpc.insecure_channel(address) as channel:
-        try:
-            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        except grpc.RpcError as err:
-            return _failure_name(err)
-    return _status_name(response)
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m stack.common.health HOST:PORT", file=sys.stderr)
-        return 2
-    status = probe(argv[0])
-    print(status)
-    return 0 if status == SERVING else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

@@ -10,7 +10,9 @@ import logging
 from aiohttp import web
 
 from stack.common import events
-from stack.common.health import NOT_SERVING, SERVING, TIMEOUT, UNREACHABLE, probe, probe_async, start_health_server
+from stack.common import health_probe
+from stack.common.health import NOT_SERVING, SERVING, TIMEOUT, UNREACHABLE, probe_async, start_health_server
+from stack.common.health_probe import probe
 from stack.common.logging import log_event, register_secret, request_context, setup_logging
 from stack.common.sse import DONE, open_stream, read_events, send_done, send_event
 
@@ -112,6 +114,24 @@ async def test_health_not_serving_until_set() -> None:
 
 async def test_health_probe_tells_a_timeout_from_a_refusal(silent_address) -> None:
     """A listener that never answers is TIMEOUT (maybe just busy), not UNREACHABLE (nothing there): the router
-    treats the two differently."""
+    treats the two differently. The stdlib probe says the same."""
     assert await probe_async(silent_address, 0.3) == TIMEOUT
     assert await probe_async("127.0.0.1:1", 0.3) == UNREACHABLE
+    assert await asyncio.to_thread(probe, silent_address, 0.3) == TIMEOUT
+
+
+async def test_stdlib_probe_agrees_with_grpcio_and_exits_0_only_when_serving(capsys) -> None:
+    """The compose health check (HTTP/2 by hand, no grpcio) reads a real grpcio health server as grpcio does: cold,
+    warm, and gone; its exit code is 0 only for SERVING."""
+    health = await start_health_server(0, "127.0.0.1")
+    address = f"127.0.0.1:{health.port}"
+    try:
+        assert await asyncio.to_thread(probe, address) == await probe_async(address) == NOT_SERVING
+        assert await asyncio.to_thread(health_probe.main, [address]) == 1
+        await health.set_serving()
+        assert await asyncio.to_thread(probe, address) == await probe_async(address) == SERVING
+        assert await asyncio.to_thread(health_probe.main, [address]) == 0
+    finally:
+        await health.stop()
+    assert probe(address, 0.5) == UNREACHABLE
+    assert capsys.readouterr().out.split() == [NOT_SERVING, SERVING]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from stack.common.config import ConfigError
-from stack.common.health import SERVING, probe
+from stack.common.health_probe import SERVING, probe
 from stack.engine.__main__ import main
 from stack.engine.config import load_config
 

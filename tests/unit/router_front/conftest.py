@@ -29,7 +29,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from stack.common import sse
-from stack.common.health import SERVING, probe
+from stack.common.health_probe import SERVING, probe
 from stack.common.logging import setup_logging
 from stack.router import config as router_config
 from stack.router.app import create_app
