@@ -85,7 +85,8 @@ def _write(level: str, event: str, request_id: str, msg: str, fields: dict[str, 
 
     On an event loop the flush waits for the end of the current loop step, so the lines of many
     requests handled in one step leave in one write instead of one syscall each."""
-    line = {"ts": (ts or datetime.now(timezone.utc)).astimezone(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+    when = ts.astimezone(timezone.utc) if ts is not None else datetime.now(timezone.utc)
+    line = {"ts": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": level, "service": _Output.service, "event": event, "request_id": request_id, "msg": msg, **fields}
     _Output.stream.write(redact(_ENCODER.encode(line)) + "\n")
     try:

@@ -23,7 +23,7 @@ from stack.common.logging import log_event
 
 DEFAULT_KV_PORT = 9100
 DEFAULT_HEALTH_PORT = 50051
-_ADDR = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")  # host:port, [v6]:port
 
 Role = Literal["prefill", "decode", "both"]
 
@@ -55,7 +55,7 @@ class PoolConfig:
             check(not addrs or len(addrs) == len(self.urls), name,
                   f"needs one address per endpoint ({len(self.urls)}), got {len(addrs)}")
             for i, addr in enumerate(addrs):
-                check(bool(_ADDR.match(addr)), f"{name}[{i}]", f"must be host:port, got {addr!r}")
+                check(bool(HOST_PORT.match(addr)), f"{name}[{i}]", f"must be host:port, got {addr!r}")
 
     @property
     def urls(self) -> tuple[str, ...]:

@@ -19,7 +19,6 @@ kv_transfer_params and the decode leg is the client's request as is.
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 import uuid
 from collections.abc import Callable
@@ -33,8 +32,8 @@ import zmq.asyncio
 from stack.common import events
 from stack.common.config import check
 from stack.common.logging import log_event
+from stack.router.backends import HOST_PORT
 
-_ADDRESS = re.compile(r"^[A-Za-z0-9_.\-]+:\d{1,5}$")
 _ROLES = {"P": "prefill", "D": "decode"}
 
 
@@ -68,7 +67,7 @@ def parse_registration(payload: bytes) -> tuple[str, str, str]:
     if kind not in _ROLES:
         raise ValueError(f"type must be 'P' or 'D', got {kind!r}")
     for name, value in (("http_address", http), ("zmq_address", zmq_address)):
-        if not isinstance(value, str) or not _ADDRESS.match(value):
+        if not isinstance(value, str) or not HOST_PORT.match(value):
             raise ValueError(f"{name} must be host:port, got {value!r}")
     return _ROLES[kind], f"http://{http}", zmq_address
 

@@ -18,14 +18,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from doctor import environment
-from doctor.findings import Context, Finding, run_checks
-from doctor.sources import load_files
+from doctor.findings import Finding
 from stack.common import events
 from stack.common.config import ConfigError
 from stack.router import config as router_config
 from stack.router.app import create_app
 from stack.router.p2pnccl import leg_request_id, parse_registration
+from tests.unit.doctor.helpers import diagnose
 from tests.unit.router_pd.conftest import free_port
 from tests.unit.router_pd.fake_engine import chunk_text
 
@@ -41,8 +40,10 @@ class VllmPinger:
     """One vLLM instance's registration: a DEALER socket whose identity is its zmq_address, sending
     msgpack {"type", "http_address", "zmq_address"} to the proxy port at an interval (vLLM: 3 s)."""
 
-    def __init__(self, registry_port: int, kind: str, http_address: str, zmq_address: str, interval_s: float = 0.05) -> None:
-        self.payload = msgpack.packb({"type": kind, "http_address": http_address, "zmq_address": zmq_address})
+    def __init__(self, registry_port: int, kind: str, http_address: str, zmq_address: str, interval_s: float = 0.05,
+                 payload: bytes | None = None) -> None:
+        """`payload` replaces the registration (a sender that speaks something else)."""
+        self.payload = payload or msgpack.packb({"type": kind, "http_address": http_address, "zmq_address": zmq_address})
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt_string(zmq.IDENTITY, zmq_address)
@@ -129,9 +130,15 @@ def doctor(tmp_path: Path, lines: list[dict[str, Any]]) -> dict[str, Finding]:
     """What `python -m doctor diagnose --logs router.log` finds in these router log lines."""
     path = tmp_path / "router.log"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    loaded = load_files([str(path)])
-    env = environment.snapshot(tmp_path, environ={}, router_url="http://localhost:8080")
-    return {f.id: f for f in run_checks(Context.build(loaded.records, env, loaded.stats))}
+    findings, _ = diagnose(str(path))
+    return {f.id: f for f in findings}
+
+
+async def wait_for_event(logs: Any, name: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not logs.events(name):
+        assert time.monotonic() < deadline, f"{name} was never logged"
+        await asyncio.sleep(0.02)
 
 
 def test_registration_is_read_as_vllm_sends_it() -> None:
@@ -208,10 +215,7 @@ async def test_the_doctor_names_the_engine_that_never_registered(fake, pingers, 
     await wait_for_instances(router, 1)
     for _ in range(2):
         assert (await router.post("/v1/chat/completions", json=chat(False), headers=AUTH)).status == 503
-    deadline = time.monotonic() + 10
-    while not logs.events(events.P2PNCCL_BAD_PING):
-        assert time.monotonic() < deadline, "the stranger's ping was never logged"
-        await asyncio.sleep(0.02)
+    await wait_for_event(logs, events.P2PNCCL_BAD_PING)
     found = doctor(tmp_path, logs.lines)
     missing = found["p2pnccl.no_decode"]
     assert missing.severity == "error" and "2 request(s)" in missing.title and len(missing.request_ids) == 2
@@ -221,27 +225,13 @@ async def test_the_doctor_names_the_engine_that_never_registered(fake, pingers, 
     assert "p2pnccl.no_prefill" not in found and len(prefill.seen) == 0
 
 
-async def test_a_ping_not_in_vllm_format_is_logged_once_and_ignored(aiohttp_client, tmp_path, logs) -> None:
+async def test_a_ping_not_in_vllm_format_is_logged_once_and_ignored(pingers, aiohttp_client, tmp_path, logs) -> None:
     """A stranger on the registry port (or another protocol) registers nothing; its first bad ping is logged, not every one."""
     port = free_port()
     router = await aiohttp_client(create_app(router_config.load(write_settings(tmp_path, port), env={}), env={"PD_TEST_KEY": KEY}))
-    context = zmq.asyncio.Context()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt_string(zmq.IDENTITY, "stranger:1")
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(f"tcp://127.0.0.1:{port}")
-    try:
-        deadline = time.monotonic() + 10
-        while not logs.events(events.P2PNCCL_BAD_PING):
-            assert time.monotonic() < deadline, "the bad ping was never logged"
-            await socket.send(json.dumps({"type": "P"}).encode())
-            await asyncio.sleep(0.05)
-        for _ in range(3):
-            await socket.send(b"still not msgpack")
-        await asyncio.sleep(0.2)
-    finally:
-        socket.close()
-        context.term()
+    pingers(port, "P", "", "stranger:1", 0.05, json.dumps({"type": "P"}).encode())
+    await wait_for_event(logs, events.P2PNCCL_BAD_PING)
+    await asyncio.sleep(0.3)  # several more bad pings from the same sender
     [bad] = logs.events(events.P2PNCCL_BAD_PING)
     assert bad["sender"] == "stranger:1" and bad["level"] == "WARNING"
     assert (await health(router))["p2pnccl_instances"] == []
