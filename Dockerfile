@@ -22,5 +22,8 @@ RUN python3 -m venv /opt/venv \
 WORKDIR /app
 COPY stack /app/stack
 COPY doctor /app/doctor
+# No configs in the image: every service reads its config from /config, a read-only mount of the
+# deployment's prefill/, decode/, colocated/ or router/ folder, so a config edit needs a restart, not a
+# rebuild, and no baked-in copy can drift from the files on the host.
 # The router keeps per-key usage in /app/data (a named volume in compose); everything else is read-only.
 USER pd

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 STACKS = ("colocated", "disaggregated")
 COMPOSE_FILES = {"colocated": "compose.colocated.yaml", "disaggregated": "compose.yaml"}
 ENGINE_SERVICES = {"colocated": ("engine",), "disaggregated": ("prefill", "decode")}
-COLOCATED_CONFIG = REPO / "stack" / "colocated" / "config.json"
+COLOCATED_CONFIG = REPO / "colocated" / "config.json"
 # Chunk budget with --colocated-chunked-prefill: a 256-token chunk costs ≈ 0.15–0.2 s on one core
 # here (≈ 3 batched decode steps, an 800-token prompt ≈ 0.55 s), so a prefill stalls decodes in
 # ≈ 3 short steps instead of one long one; the shipped 2048 would never cut an ~800-token prompt.
@@ -121,7 +121,7 @@ def colocated_config_changes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def write_colocated_config(directory: Path, changes: dict[str, Any]) -> Path:
-    """Copy stack/colocated/config.json with `changes` into `directory` (absolute: compose mounts it)."""
+    """Copy colocated/config.json with `changes` into `directory` (absolute: compose mounts it)."""
     directory = directory.resolve()
     directory.mkdir(parents=True, exist_ok=True)
     config = {**json.loads(COLOCATED_CONFIG.read_text()), **changes}
@@ -268,8 +268,8 @@ def conditions(args: argparse.Namespace, specs: list[StackSpec], command: str) -
     engine_env = " ".join(f"{k}={v}" for k, v in specs[0].engine_env.items()) or "none (as the compose files ship)"
     changes = colocated_config_changes(args)
     colocated_config = (
-        "stack/colocated/config.json with " + ", ".join(f"{k}={json.dumps(v)}" for k, v in changes.items())
-        if changes else "stack/colocated/config.json as shipped"
+        "colocated/config.json with " + ", ".join(f"{k}={json.dumps(v)}" for k, v in changes.items())
+        if changes else "colocated/config.json as shipped"
     )
     return "\n".join([
         f"- Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",

@@ -1,4 +1,4 @@
-"""`python -m stack.engine --config stack/prefill/config.json --host H --port P --health-port G`
+"""`python -m stack.engine --config prefill/config.json --host H --port P --health-port G`
 
 Starts one engine (role from the config): loads the model, listens for HTTP (OpenAI API), gRPC
 health (SERVING after a warm-up forward) and, for KV consumers, the KV port. A bad config or
@@ -32,7 +32,7 @@ EXIT_CONFIG = 2
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m stack.engine", description="CPU LLM engine: role prefill, decode or both (colocated).")
-    parser.add_argument("--config", required=True, help="engine config.json (e.g. stack/prefill/config.json)")
+    parser.add_argument("--config", required=True, help="engine config.json (prefill/config.json, decode/config.json or colocated/config.json)")
     parser.add_argument("--host", default="0.0.0.0", help="address for HTTP and gRPC health (default 0.0.0.0)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API (default 8000)")
     parser.add_argument("--health-port", type=int, default=50051, help="gRPC health port (default 50051)")

@@ -1,4 +1,4 @@
-"""`python -m stack.router --config stack/router/settings.toml`: the router (HTTP 8080, gRPC health 50052).
+"""`python -m stack.router [--config router/settings.toml]`: the router (HTTP 8080, gRPC health 50052).
 
 A bad config prints one line naming file, key and problem, and exits 2.
 """
@@ -19,7 +19,7 @@ from stack.router.app import create_app
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stack.router", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="stack/router/settings.toml", help="path to settings.toml")
+    parser.add_argument("--config", default="router/settings.toml", help="path to settings.toml (default router/settings.toml)")
     parser.add_argument("--host", help="override [server] host")
     parser.add_argument("--port", type=int, help="override [server] port")
     parser.add_argument("--health-port", type=int, help="override [server] health_port")
