@@ -65,7 +65,7 @@ def test_router_port_held_by_another_program_is_named_before_anything_starts(app
 
 def test_bad_kv_port_in_engine_config_fails_up_naming_the_key(app_image: None, tmp_path: Path) -> None:
     """A decode config.json with "kv_port": "abc" stops decode (exit 2) and `up` with file, key and problem."""
-    config = json.loads((REPO / "stack" / "decode" / "config.json").read_text())
+    config = json.loads((REPO / "decode" / "config.json").read_text())
     config["kv_transfer_config"]["kv_port"] = "abc"
     (tmp_path / "config.json").write_text(json.dumps(config))
     tmp_path.chmod(0o755)  # the engine runs as an unprivileged user

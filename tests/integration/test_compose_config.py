@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
-from tests.integration.compose_stack import COLOCATED, DISAGGREGATED, compose_run, stack_env, unique_project, write_env_file
+from tests.integration.compose_stack import (
+    COLOCATED, DISAGGREGATED, REPO, compose_run, stack_env, unique_project, write_env_file,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -104,3 +106,60 @@ def test_env_file_variables_reach_the_router_only(resolve) -> None:
         assert services["router"]["environment"]["ALICE_KEY"] == "sk-alice-0123456789"
     services = resolve(DISAGGREGATED, {"ALICE_KEY": "sk-alice-0123456789"})["services"]
     assert all("ALICE_KEY" not in (services[name].get("environment") or {}) for name in ("prefill", "decode"))
+
+
+CONFIG_FOLDERS = {"prefill", "decode", "colocated", "router"}
+CONFIG_SUFFIXES = {".json", ".toml"}
+SCENARIO_OVERLAYS = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests" / "integration").glob("*/*.yaml"))
+
+
+def _bind_sources(services: dict[str, Any]) -> dict[str, list[Path]]:
+    return {name: [Path(v["source"]) for v in svc.get("volumes", []) if v["type"] == "bind"] for name, svc in services.items()}
+
+
+def _config_only(folder: Path) -> bool:
+    return all(p.is_file() and p.suffix in CONFIG_SUFFIXES for p in folder.iterdir())
+
+
+@pytest.mark.parametrize("files", [DISAGGREGATED, COLOCATED, GPU, P2PNCCL])
+def test_each_service_mounts_its_config_folder_and_no_source_folder(resolve, files) -> None:
+    """/config is the top-level folder named after the service's role (the article's tree); no bind mount
+    reaches into the code (stack/, doctor/)."""
+    services = resolve(files)["services"]
+    expected = {"prefill": "prefill", "decode": "decode", "engine": "colocated", "router": "router"}
+    for name, svc in services.items():
+        config = next(v for v in svc["volumes"] if v["target"] == "/config")
+        assert (config["type"], Path(config["source"]), config["read_only"]) == ("bind", REPO / expected[name], True)
+    for name, sources in _bind_sources(services).items():
+        inside = [s.relative_to(REPO).parts[0] for s in sources if s.is_relative_to(REPO)]
+        assert set(inside) <= CONFIG_FOLDERS, f"{name} mounts {sources}"
+        assert all(_config_only(s) for s in sources), f"{name} mounts a folder with more than config: {sources}"
+
+
+@pytest.mark.parametrize("overlay", SCENARIO_OVERLAYS)
+def test_test_overlays_mount_config_folders_only(resolve, overlay, tmp_path) -> None:
+    """Scenario and fixture overlays swap a /config for a folder of JSON, never for code."""
+    services = resolve((*DISAGGREGATED, overlay), {"PD_TEST_DECODE_CONFIG_DIR": str(tmp_path)})["services"]
+    for name, sources in _bind_sources(services).items():
+        for source in sources:
+            assert not {"stack", "doctor"} & set(source.parts), f"{overlay}: {name} mounts {source}"
+            assert _config_only(source), f"{overlay}: {name} mounts {source}, which holds more than config"
+
+
+def test_kv_transfer_port_is_the_one_override_and_reaches_decode(resolve) -> None:
+    """KV_TRANSFER_PORT sets decode's KV listener (its environment, and the exposed port); the router is told
+    nothing in compose.yaml and gets the variable only as part of the env file, so the two cannot differ.
+    Unset, decode keeps kv_port from decode/config.json, which is also what it exposes."""
+    services = resolve(DISAGGREGATED, {"KV_TRANSFER_PORT": "9300"})["services"]
+    assert services["decode"]["environment"]["KV_TRANSFER_PORT"] == "9300"
+    assert "9300" in services["decode"]["expose"]
+    assert "KV_TRANSFER_PORT" not in services["prefill"]["environment"]
+    assert services["router"]["environment"]["KV_TRANSFER_PORT"] == "9300"  # from the env file, like ALICE_KEY
+    colocated = resolve(COLOCATED, {"KV_TRANSFER_PORT": "9300"})["services"]
+    assert "KV_TRANSFER_PORT" not in colocated["engine"]["environment"]  # one engine: no KV listener
+
+    unset = resolve(DISAGGREGATED)["services"]
+    assert unset["decode"]["environment"]["KV_TRANSFER_PORT"] is None  # compose drops it: the config's kv_port applies
+    assert "KV_TRANSFER_PORT" not in unset["router"]["environment"]
+    shipped = json.loads((REPO / "decode" / "config.json").read_text())["kv_transfer_config"]["kv_port"]
+    assert str(shipped) in unset["decode"]["expose"]

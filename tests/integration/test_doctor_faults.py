@@ -1,7 +1,7 @@
 """The doctor against a stack broken on purpose: every fault really induced, the doctor names the cause.
 
 One stack of its own (the shared one must stay healthy); each test recreates the service it breaks
-with an overlay from tests/integration/scenarios/doctor_*.yaml (or cuts a network), sends real
+with an overlay from tests/integration/scenarios/*.yaml (or cuts a network), sends real
 requests, runs `python -m doctor diagnose` on the project's container logs, and restores the service.
 """
 
@@ -107,18 +107,27 @@ def test_decode_fails_after_a_successful_prefill(stack: Stack, home, tmp_path):
     assert {"client", "router"} <= services(f)
 
 
+def test_kv_port_changed_in_decode_config_only_is_learned_by_the_router(stack: Stack):
+    """decode/config.json says kv_port 9200 and nothing else changes: the router learns the port from decode's
+    /health, so prefill pushes to decode:9200 and the request streams (no second place to edit)."""
+    rid = new_id("kvmoved")
+    with scenario(stack, "kv_port_moved", "decode"):
+        _chat(stack, rid)
+        sent = stack.wait_for_event("prefill", "kv_producer.sent", rid)
+    assert sent and sent[0]["decode_kv_addr"].endswith(":9200")
+
+
 def test_kv_port_mismatch(stack: Stack, home):
-    """decode listens on 9200, prefill is sent to decode:9100 → kv.port_mismatch naming both ports."""
+    """The router is told KV_TRANSFER_PORT=9100 while decode listens on 9200 → kv.port_mismatch naming both ports."""
     rid = new_id("kvport")
-    with scenario(stack, "doctor_kv_port", "decode"):
+    with scenario(stack, "doctor_kv_port", "decode", "router"):
         _chat_fails(stack, rid)
-        wait_logged(stack, "prefill", "kv_producer.connect_failed", rid)
+        wait_logged(stack, "router", "router.request_done", rid)
         code, doc = diagnose(stack, home, "--since", "2m")
     assert code == 1
     f = finding(doc, "kv.port_mismatch")
-    assert "decode:9100" in f["title"] and "9200" in f["title"]
-    assert {"prefill", "decode"} <= services(f)
-    assert rid in f["request_ids"]
+    assert "9100" in f["title"] and "9200" in f["title"]
+    assert "decode" in services(f)
 
 
 def test_tiny_kv_buffer_with_a_long_prompt(stack: Stack, home):
