@@ -3,7 +3,7 @@
 A config file becomes frozen dataclasses in one call; any problem raises `ConfigError`, whose
 one-line message names the file, the key (dotted path) and what is wrong:
 
-    stack/prefill/config.json: kv_transfer_config.kv_port: expected an integer, got "91x0"
+    decode/config.json: kv_transfer_config.kv_port: expected an integer, got "91x0"
 
 `build(cls, data, file)` checks unknown keys, types (int, float, bool, str, Literal, Optional,
 nested dataclasses, list/tuple of those) and fills defaults. Value rules beyond types (ranges,
