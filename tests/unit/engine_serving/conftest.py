@@ -139,7 +139,8 @@ class EngineProcess:
     """`python -m stack.engine` on free ports; stdout JSON lines are collected as they come, and waits
     wake on each new line (or on the process closing its stdout) instead of polling."""
 
-    def __init__(self, tmp: Path, name: str, config: dict[str, Any], extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, tmp: Path, name: str, config: dict[str, Any], extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.config_path = tmp / f"{name}.json"
         self.config_path.write_text(json.dumps(config))
         self.port, self.health_port = free_port(), free_port()
@@ -149,7 +150,7 @@ class EngineProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "stack.engine", "--config", str(self.config_path), "--host", "127.0.0.1",
              "--port", str(self.port), "--health-port", str(self.health_port), "--service-name", name, *extra_args],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
