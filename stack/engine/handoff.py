@@ -18,7 +18,7 @@ arrays and tokens only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from stack.common import events
 from stack.common.logging import log_event
@@ -31,6 +31,13 @@ from stack.engine.kv_wire import KVHeader
 from stack.engine.model import Model
 from stack.engine.protocol import CompletionRequest, KVTransferParams
 from stack.engine.scheduler import Output, PromptKV, Scheduler, Sequence
+
+
+def pd_leg(req: CompletionRequest) -> Literal["prefill", "decode"] | None:
+    """The PD leg `req` is: prefill (do_remote_decode), decode (do_remote_prefill), or None (an ordinary request)."""
+    if req.kv_transfer is None:
+        return None
+    return "prefill" if req.kv_transfer.do_remote_decode else "decode"
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,9 @@ class KVHandoff:
         self.model = model
         self.scheduler = scheduler
         kv = config.kv_transfer_config
-        self.consumer = KVConsumer(fingerprint=model.fingerprint, buffer_size=kv.buffer_bytes, lease_ms=kv.kv_lease_ms) if config.is_kv_consumer else None
+        self.consumer = None
+        if config.is_kv_consumer:
+            self.consumer = KVConsumer(fingerprint=model.fingerprint, buffer_size=kv.buffer_bytes, lease_ms=kv.kv_lease_ms)
         self.producer = KVProducer(io_timeout_s=max(kv.kv_transfer_timeout_ms, 1000) / 1000)
 
     async def start(self) -> None:

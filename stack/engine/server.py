@@ -13,7 +13,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -27,7 +27,7 @@ from stack.common.sse import open_stream, send_done, send_event
 from stack.engine import protocol
 from stack.engine.config import EngineConfig
 from stack.engine.errors import CacheCapacityError, KVTransferError
-from stack.engine.handoff import KVHandoff, PrefillLeg
+from stack.engine.handoff import KVHandoff, pd_leg
 from stack.engine.kv_cache import KVPool
 from stack.engine.model import Model
 from stack.engine.protocol import CompletionRequest, Kind, ResponseIds
@@ -131,15 +131,16 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     data = protocol.parse_json(await request.read())
     req = protocol.parse_request(kind, data, model_id=engine.config.model, tokenizer=engine.model.tokenizer,
                                  max_model_len=engine.max_model_len)
-    kv = req.kv_transfer
-    leg = None if kv is None else ("prefill" if kv.do_remote_decode else "decode")
+    kv, leg = req.kv_transfer, pd_leg(req)
     max_tokens = 1 if leg == "prefill" else req.sampling.max_tokens  # the prefill leg computes the first token only
     log_event(events.ENGINE_REQUEST_RECEIVED, f"{kind} request: {len(req.prompt_tokens)} prompt tokens" + (f", PD {leg} leg" if leg else ""),
               prompt_tokens=len(req.prompt_tokens), max_tokens=max_tokens, stream=req.stream,
               role=engine.config.role, pd_leg=leg, transfer_id=kv.transfer_id if kv else None)
     try:
-        if leg == "prefill":  # stream=false (parse_request): the whole leg, push included, then one body
-            return _prefill_response(request, engine, req, await _unless_client_gone(request, engine.handoff.prefill(request_id, req)))
+        if leg == "prefill":  # stream=false (parse_request): the whole leg, KV push included, then one body
+            prefilled = await _unless_client_gone(request, engine.handoff.prefill(request_id, req))
+            out = prefilled.output
+            return _completion(request, engine, req, out.text, out, kv_transfer_params=prefilled.kv_transfer_params)
         if leg == "decode":
             seq = await _unless_client_gone(request, engine.handoff.decode(request_id, req))
         else:
@@ -158,24 +159,21 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         engine.scheduler.cancel(seq)  # no-op when it finished
 
 
-def _prefill_response(request: web.Request, engine: Engine, req: CompletionRequest, leg: PrefillLeg) -> web.Response:
-    out = leg.output
-    _raise_if_failed(out)
-    assert out.finish_reason is not None and leg.kv_transfer_params is not None, "a finished prefill leg pushed its KV"
-    ids = ResponseIds.new(req.kind, request[REQUEST_ID], engine.config.model)
-    body = protocol.completion_body(req.kind, ids, out.text, out.finish_reason, len(req.prompt_tokens), out.num_tokens)
-    return web.json_response(body | {"kv_transfer_params": leg.kv_transfer_params})
-
-
 async def _complete(request: web.Request, engine: Engine, req: CompletionRequest, seq: Sequence) -> web.Response:
     text, out = "", None
     async for out in _outputs(request, seq):
         text += out.text
-    assert out is not None and out.finish_reason is not None, "output stream ended without a finish"
+    assert out is not None, "output stream ended without a finish"
+    return _completion(request, engine, req, text, out)
+
+
+def _completion(request: web.Request, engine: Engine, req: CompletionRequest, text: str, out: Output, **extra: Any) -> web.Response:
+    """The non-streamed body for `text` ending with `out`; `extra` adds top-level keys (kv_transfer_params)."""
     _raise_if_failed(out)
+    assert out.finish_reason is not None, "a completion body needs the last output"
     ids = ResponseIds.new(req.kind, request[REQUEST_ID], engine.config.model)
     body = protocol.completion_body(req.kind, ids, text, out.finish_reason, len(req.prompt_tokens), out.num_tokens)
-    return web.json_response(body)
+    return web.json_response(body | extra)
 
 
 async def _stream(request: web.Request, engine: Engine, req: CompletionRequest, seq: Sequence) -> web.StreamResponse:
