@@ -56,7 +56,7 @@ class KVHandoff:
         self.model = model
         self.scheduler = scheduler
         kv = config.kv_transfer_config
-        self.consumer = None
+        self.consumer: KVConsumer | None = None
         if config.is_kv_consumer:
             self.consumer = KVConsumer(fingerprint=model.fingerprint, buffer_size=kv.buffer_bytes, lease_ms=kv.kv_lease_ms)
         self.producer = KVProducer(io_timeout_s=max(kv.kv_transfer_timeout_ms, 1000) / 1000)
@@ -80,7 +80,10 @@ class KVHandoff:
     # -- prefill leg -----------------------------------------------------------------------------
 
     async def prefill(self, request_id: str, req: CompletionRequest) -> PrefillLeg:
-        """Run the prompt to its first token, push its KV to decode_kv_addr; raises KVTransferError."""
+        """Run the prompt to its first token and push its KV to decode_kv_addr.
+
+        Raises KVTransferError (wrong role, the push failed) or CacheCapacityError (can never fit).
+        """
         params = req.kv_transfer
         assert params is not None and params.decode_kv_addr is not None, "a prefill leg needs decode_kv_addr"
         if not self.config.is_kv_producer:  # refuse before computing anything
@@ -131,7 +134,10 @@ class KVHandoff:
     # -- decode leg ------------------------------------------------------------------------------
 
     async def decode(self, request_id: str, req: CompletionRequest) -> Sequence:
-        """Claim this leg's KV and queue the decode from it (or, by policy, an ordinary request)."""
+        """Claim this leg's KV and queue the decode from it (or, by policy, an ordinary request).
+
+        Raises KVTransferError (no KV: wrong role, timeout, another prompt) or CacheCapacityError.
+        """
         prompt = list(req.prompt_tokens)
         received = await self._claim(req)
         if received is None:
