@@ -38,8 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--health-port", type=int, default=50051, help="gRPC health port (default 50051)")
     parser.add_argument("--checkpoint", default=os.environ.get("PD_CHECKPOINT") or None,
                         help="override the config's checkpoint: dummy:tiny, dummy:small or an HF directory (env PD_CHECKPOINT)")
-    parser.add_argument("--kv-port", type=int, default=_env_int("PD_KV_PORT"),
-                        help="override kv_transfer_config.kv_port, 0 = any free port (env PD_KV_PORT)")
+    parser.add_argument("--kv-port", type=int, default=None,
+                        help="override kv_transfer_config.kv_port and KV_TRANSFER_PORT, 0 = any free port (local runs, tests)")
     parser.add_argument("--seed", type=int, default=_env_int("PD_SEED"), help="override the dummy-weight seed (env PD_SEED)")
     parser.add_argument("--service-name", default=os.environ.get("PD_SERVICE_NAME") or None,
                         help="`service` field of every log line (default: the role; env PD_SERVICE_NAME)")

@@ -4,15 +4,21 @@ The article's keys (model, role, tensor_parallel_size, pipeline_parallel_size, m
 kv_transfer_config {kv_connector, kv_role, kv_port, kv_buffer_size}, gpu_memory_utilization) are all
 accepted; the ones that mean nothing on a CPU engine are listed by `ignored_fields` and logged once
 at start (`config.ignored`). Unknown keys and wrong types raise `ConfigError` (file: key: problem).
+
+`KV_TRANSFER_PORT` in the environment is the one override of where a KV consumer (decode) listens;
+decode reports the port it got on `/health` (`kv_port`), which is where the router learns it. A
+producer (prefill) never needs a port: it pushes to the `decode_kv_addr` each request names.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from stack.common.config import build, check, read_file
+from stack.common.config import ConfigError, build, check, read_file
 
 Role = Literal["prefill", "decode", "both"]
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
@@ -21,6 +27,7 @@ KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 OWN_CONNECTOR = "PdTcpConnector"
 # kv_role each engine role implies when the config does not say.
 DEFAULT_KV_ROLE: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+KV_PORT_ENV = "KV_TRANSFER_PORT"  # overrides a KV consumer's kv_transfer_config.kv_port (compose passes it from .env)
 
 
 @dataclass(frozen=True)
@@ -30,7 +37,7 @@ class KVTransferConfig:
     kv_connector: str = OWN_CONNECTOR  # vLLM names (P2pNcclConnector, NixlConnector…) are accepted and ignored
     kv_role: KVRole | None = None  # default from role: prefill→kv_producer, decode→kv_consumer, both→kv_both
     kv_ip: str = "0.0.0.0"  # address the KV listener binds (consumers only)
-    kv_port: int = 9100  # KV listener port (consumers only); 0 picks a free one
+    kv_port: int = 9100  # KV listener port (consumers only; env KV_TRANSFER_PORT overrides it); 0 picks a free one
     kv_buffer_size: float = 8e9  # bytes a consumer may hold: received-but-unclaimed plus in-flight KV ("8e9" ok)
     kv_transfer_timeout_ms: int = 5000  # how long a decode request waits for its KV (prefill: bound of each socket step of a push)
     kv_load_failure_policy: Literal["fail", "recompute"] = "fail"  # KV never came: error (vLLM default) or prefill locally
@@ -115,15 +122,20 @@ def ignored_fields(config: EngineConfig, raw: dict[str, Any]) -> list[tuple[str,
         ignored.append(("kv_transfer_config.kv_connector", kv.kv_connector, f"the CPU engine always uses {OWN_CONNECTOR} (TCP push)"))
     if kv.kv_connector_extra_config:
         ignored.append(("kv_transfer_config.kv_connector_extra_config", kv.kv_connector_extra_config, "vLLM connector options"))
-    if "kv_buffer_size" in kv_raw and not config.is_kv_consumer:
-        ignored.append(("kv_transfer_config.kv_buffer_size", kv_raw["kv_buffer_size"], f"only a KV consumer buffers; this is a {config.kv_role}"))
+    if not config.is_kv_consumer:
+        for key, why in (("kv_port", "listens"), ("kv_buffer_size", "buffers")):
+            if key in kv_raw:
+                ignored.append((f"kv_transfer_config.{key}", kv_raw[key], f"only a KV consumer {why}; this is a {config.kv_role}"))
     return ignored
 
 
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> tuple[EngineConfig, dict[str, Any]]:
-    """Read and validate `path`, apply CLI/env `overrides` (dotted keys), return (config, raw file dict).
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None,
+                env: Mapping[str, str] | None = None) -> tuple[EngineConfig, dict[str, Any]]:
+    """Read and validate `path`, apply CLI `overrides` (dotted keys), then `KV_TRANSFER_PORT` from
+    `env` (default os.environ) on a KV consumer unless `--kv-port` set the port; return (config, raw file dict).
 
-    Overrides go through the same validation, so a bad `--kv-port` fails like a bad file value.
+    Overrides go through the same validation, so a bad `--kv-port` fails like a bad file value and a
+    bad KV_TRANSFER_PORT names the variable.
     """
     raw = read_file(path)
     merged = dict(raw)
@@ -137,5 +149,19 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> tu
         for parent in parents:
             target = target.setdefault(parent, {})
         target[leaf] = value
-    return build(EngineConfig, merged, path), raw
+    config = build(EngineConfig, merged, path)
+    if config.is_kv_consumer and (overrides or {}).get("kv_transfer_config.kv_port") is None:
+        port = _env_kv_port(os.environ if env is None else env)
+        if port is not None:
+            config = replace(config, kv_transfer_config=replace(config.kv_transfer_config, kv_port=port))
+    return config, raw
+
+
+def _env_kv_port(env: Mapping[str, str]) -> int | None:
+    text = env.get(KV_PORT_ENV, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) > 65535:
+        raise ConfigError("environment", KV_PORT_ENV, f"must be a TCP port (0-65535; 0 picks a free one), got {text!r}")
+    return int(text)
 

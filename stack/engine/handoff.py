@@ -1,13 +1,24 @@
-"""The two PD legs on the engine side (design §2): push after a prefill leg, claim before a decode leg.
+"""The PD hand-off on the engine side (design §2): each leg, from the parsed request to the scheduler.
 
-Prefill leg (`kv_transfer_params.do_remote_decode`): the sequence computes the prompt KV and its
-first token, then `push` ships them to `decode_kv_addr` and returns the `kv_transfer_params` the
-router copies into the decode leg. Decode leg (`do_remote_prefill`): `claim` waits for that
-transfer and checks it belongs to this prompt; when it cannot (timeout, prompt mismatch) the
-`kv_load_failure_policy` decides: `recompute` (run the prefill here) or `fail` (answer an error).
+Prefill leg (`kv_transfer_params.do_remote_decode`): `prefill` runs the prompt to its first token
+(`Scheduler.prefill`), pushes that KV and token to `decode_kv_addr` (kv_transfer.py), gives the
+cache back to the pool and returns the `kv_transfer_params` the router copies into the decode leg.
+
+Decode leg (`do_remote_prefill`): `decode` claims the transfer from the receive buffer
+(kv_consumer.py), checks it belongs to this prompt, and hands the scheduler plain arrays and the
+first token (`Scheduler.submit(kv=…)`). The receive buffer is released once the scheduler has
+copied them into its pool, or dropped the request first (`seq.kv_read`). When the KV cannot be
+had (timeout, prompt mismatch) `kv_load_failure_policy` decides: `recompute` (prefill here, an
+ordinary request) or `fail` (answer an error).
+
+Transports, transfer ids and the KV listener's lifecycle live here and below; the scheduler sees
+arrays and tokens only.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from stack.common import events
 from stack.common.logging import log_event
@@ -18,37 +29,91 @@ from stack.engine.kv_consumer import KVConsumer, ReceivedKV
 from stack.engine.kv_transfer import KVProducer, prompt_hash, split_addr
 from stack.engine.kv_wire import KVHeader
 from stack.engine.model import Model
-from stack.engine.protocol import CompletionRequest
-from stack.engine.scheduler import Sequence
+from stack.engine.protocol import CompletionRequest, KVTransferParams
+from stack.engine.scheduler import Output, PromptKV, Scheduler, Sequence
+
+
+def pd_leg(req: CompletionRequest) -> Literal["prefill", "decode"] | None:
+    """The PD leg `req` is: prefill (do_remote_decode), decode (do_remote_prefill), or None (an ordinary request)."""
+    if req.kv_transfer is None:
+        return None
+    return "prefill" if req.kv_transfer.do_remote_decode else "decode"
+
+
+@dataclass(frozen=True)
+class PrefillLeg:
+    """What a prefill leg answers: the first token's output and, if it was pushed, the decode leg's params."""
+
+    output: Output  # finish_reason error | abort: the step failed or the engine stops; nothing was pushed
+    kv_transfer_params: dict[str, Any] | None
 
 
 class KVHandoff:
     """Both legs for one engine; `consumer` is None unless the engine listens on kv_port."""
 
-    def __init__(self, config: EngineConfig, model: Model, consumer: KVConsumer | None) -> None:
+    def __init__(self, config: EngineConfig, model: Model, scheduler: Scheduler) -> None:
         self.config = config
         self.model = model
-        self.consumer = consumer
+        self.scheduler = scheduler
         kv = config.kv_transfer_config
+        self.consumer: KVConsumer | None = None
+        if config.is_kv_consumer:
+            self.consumer = KVConsumer(fingerprint=model.fingerprint, buffer_size=kv.buffer_bytes, lease_ms=kv.kv_lease_ms)
         self.producer = KVProducer(io_timeout_s=max(kv.kv_transfer_timeout_ms, 1000) / 1000)
 
-    def check_producer(self) -> None:
-        """A prefill leg needs a KV producer; refuse it before computing anything."""
-        if not self.config.is_kv_producer:
+    async def start(self) -> None:
+        if self.consumer is not None:
+            kv = self.config.kv_transfer_config
+            await self.consumer.start(kv.kv_ip, kv.kv_port)
+
+    async def close(self) -> None:
+        if self.consumer is not None:
+            await self.consumer.close()
+
+    def health(self) -> dict[str, int]:
+        """The KV listener's numbers for /health (the router learns decode's KV address from kv_port)."""
+        if self.consumer is None:
+            return {}
+        c = self.consumer
+        return {"kv_port": c.port, "kv_buffer_used": c.buffer_used, "kv_buffer_size": c.buffer_size, "kv_held_transfers": c.held_transfers}
+
+    # -- prefill leg -----------------------------------------------------------------------------
+
+    async def prefill(self, request_id: str, req: CompletionRequest) -> PrefillLeg:
+        """Run the prompt to its first token and push its KV to decode_kv_addr.
+
+        Raises KVTransferError (wrong role, the push failed) or CacheCapacityError (can never fit).
+        """
+        params = req.kv_transfer
+        assert params is not None and params.decode_kv_addr is not None, "a prefill leg needs decode_kv_addr"
+        if not self.config.is_kv_producer:  # refuse before computing anything
             raise KVTransferError(
                 "not_a_producer",
                 f"this engine (role {self.config.role}, {self.config.kv_role}) does not send KV; "
                 "send do_remote_decode requests to a prefill engine",
             )
+        prompt = list(req.prompt_tokens)
+        prefilled = await self.scheduler.prefill(request_id, prompt, req.sampling)
+        try:
+            if prefilled.kv is None:
+                return PrefillLeg(prefilled.output, None)
+            await self._push(request_id, params, prompt, prefilled.kv)
+        finally:
+            prefilled.release()  # pushed or not, the pool gets the cache back
+        host, port = split_addr(params.decode_kv_addr)
+        return PrefillLeg(prefilled.output, {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "transfer_id": params.transfer_id,
+            "num_tokens": len(prompt),
+            "remote_host": host,  # where the KV now is: the decode's KV listener
+            "remote_port": port,
+        })
 
-    async def push(self, request_id: str, req: CompletionRequest, seq: Sequence) -> dict[str, object]:
-        """Ship the finished prefill leg's KV; returns the response's `kv_transfer_params`."""
-        params = req.kv_transfer
-        assert params is not None and params.decode_kv_addr is not None, "push needs a prefill leg"
-        cache = seq.cache
-        assert cache is not None and seq.output, f"prefill leg {request_id} finished without KV or a first token"
-        n, cfg = len(seq.prompt), self.model.config
-        payload = kv_wire.segments(cache.k, cache.v, n)
+    async def _push(self, request_id: str, params: KVTransferParams, prompt: list[int], kv: PromptKV) -> None:
+        assert params.decode_kv_addr is not None, "push needs decode_kv_addr"
+        cfg = self.model.config
+        payload = kv_wire.segments(kv.k, kv.v, len(prompt))  # views into the pool cache: sent without copies
         header = KVHeader(
             transfer_id=params.transfer_id,
             request_id=request_id,
@@ -57,25 +122,36 @@ class KVHandoff:
             n_layers=cfg.n_layers,
             n_kv_heads=cfg.n_kv_heads,
             head_dim=cfg.head_dim,
-            num_tokens=n,
-            first_token=seq.output[0],
-            seed=seq.seed,
-            prompt_hash=prompt_hash(seq.prompt),
+            num_tokens=len(prompt),
+            first_token=kv.first_token,
+            seed=kv.seed,
+            prompt_hash=prompt_hash(prompt),
             total_bytes=sum(p.nbytes for p in payload),
             checksums=tuple(kv_wire.checksum(p) for p in payload),
         )
         await self.producer.push(header, payload, params.decode_kv_addr)
-        host, port = split_addr(params.decode_kv_addr)
-        return {
-            "do_remote_decode": False,
-            "do_remote_prefill": True,
-            "transfer_id": params.transfer_id,
-            "num_tokens": n,
-            "remote_host": host,  # where the KV now is: the decode's KV listener
-            "remote_port": port,
-        }
 
-    async def claim(self, req: CompletionRequest) -> ReceivedKV | None:
+    # -- decode leg ------------------------------------------------------------------------------
+
+    async def decode(self, request_id: str, req: CompletionRequest) -> Sequence:
+        """Claim this leg's KV and queue the decode from it (or, by policy, an ordinary request).
+
+        Raises KVTransferError (no KV: wrong role, timeout, another prompt) or CacheCapacityError.
+        """
+        prompt = list(req.prompt_tokens)
+        received = await self._claim(req)
+        if received is None:
+            return self.scheduler.submit(request_id, prompt, req.sampling)
+        header = received.header
+        try:
+            seq = self.scheduler.submit(request_id, prompt, req.sampling, PromptKV(received.k, received.v, header.first_token, header.seed))
+        except BaseException:  # CacheCapacityError: the scheduler never took the arrays
+            received.release()
+            raise
+        seq.kv_read.add_done_callback(lambda _: received.release())
+        return seq
+
+    async def _claim(self, req: CompletionRequest) -> ReceivedKV | None:
         """The pushed KV for this decode leg, or None when the policy says recompute."""
         params = req.kv_transfer
         assert params is not None, "claim needs a decode leg"
@@ -100,6 +176,7 @@ class KVHandoff:
             raise
 
     def _check_prompt(self, received: ReceivedKV, prompt: list[int]) -> None:
+        """The KV must be this prompt's (count and hash); otherwise it is released and refused."""
         header = received.header
         if header.num_tokens == len(prompt) and header.prompt_hash == prompt_hash(prompt):
             return

@@ -133,6 +133,8 @@ class KVConsumer:
                     waited_ms=waited_ms, kv_transfer_timeout_ms=timeout_ms,
                 ) from None
             except asyncio.CancelledError:  # the decode request went away: refuse this KV if it still comes
+                if future.done() and not future.cancelled():
+                    future.result().release()  # it arrived in the same loop turn the request left
                 self._remember_expired(transfer_id)
                 raise
             finally:

@@ -3,8 +3,14 @@
 Each step, on the event loop: drop cancelled sequences (their KV goes back to the pool), take every
 running decode (one token each), then admit waiting sequences in arrival order while the step's
 token budget (`max_num_batched_tokens`, decodes counted first) and `max_num_seqs` allow and the KV
-pool has room. A sequence whose KV arrived from a prefill engine is admitted by copying that KV
-into its pool cache and emitting the prefill's first token: it joins the decodes at once.
+pool has room.
+
+Three ways in, all plain arrays and tokens: `submit(prompt)` prefills and decodes here;
+`prefill(prompt)` runs the prompt to its first token and lends out its KV (the cache stays reserved
+until released); `submit(prompt, kv=PromptKV)` continues from KV and a first token computed
+elsewhere: at admission the arrays are copied into the sequence's pool cache, the first token is
+emitted and it joins the decodes at once. Where the KV comes from or goes to is the caller's
+business (handoff.py); the scheduler only says when it no longer reads the arrays (`kv_read`).
 
 The forward pass and sampling run in one dedicated thread, so HTTP and the KV socket stay
 responsive. All state changes happen on the event loop between steps, so a cancel never frees a
@@ -18,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 from loguru import logger
@@ -27,7 +35,6 @@ from loguru import logger
 from stack.common import events
 from stack.common.logging import log_event
 from stack.engine.kv_cache import KVCache, KVPool
-from stack.engine.kv_consumer import ReceivedKV
 from stack.engine.model import Model, Segment, forward
 from stack.engine.protocol import SamplingParams
 from stack.engine.sampling import sample
@@ -43,6 +50,16 @@ class Output:
     finish_reason: str | None = None  # stop | length | abort | error
 
 
+@dataclass(frozen=True)
+class PromptKV:
+    """A prompt's K/V and the token sampled after it: what `prefill` lends and `submit(kv=…)` continues from."""
+
+    k: np.ndarray  # (n_layers, len(prompt), n_kv_heads, head_dim)
+    v: np.ndarray  # (n_layers, len(prompt), n_kv_heads, head_dim)
+    first_token: int  # sampled from the last prompt position (generation step 0)
+    seed: int  # the sampling seed of that token; the continuation keeps drawing from the same stream
+
+
 @dataclass(eq=False)
 class Sequence:
     """One request inside the engine."""
@@ -50,9 +67,10 @@ class Sequence:
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    seed: int  # the effective sampling seed (the request's, the prefill's, or a random one)
-    keep_kv: bool = False  # prefill leg: keep the cache after finishing, for the KV push
-    preloaded: ReceivedKV | None = None  # decode leg: KV pushed by a prefill engine
+    seed: int  # the effective sampling seed (the request's, the given KV's, or a random one)
+    kv_read: asyncio.Future[None]  # done once `start_kv` is no longer read (copied in, or the sequence ended)
+    start_kv: PromptKV | None = None  # prompt KV + first token computed elsewhere, copied in at admission
+    keeps_cache: bool = False  # `prefill`: a finished sequence's cache stays reserved until `Prefilled.release`
     cache: KVCache | None = None
     num_computed: int = 0  # prompt tokens whose K/V are in the cache
     output: list[int] = field(default_factory=list)
@@ -75,6 +93,15 @@ class Sequence:
         return self.num_computed < len(self.prompt)
 
 
+@dataclass(frozen=True)
+class Prefilled:
+    """A prompt run to its first token; its cache stays reserved in the pool until `release()`."""
+
+    output: Output  # the only output: the first token's text; finish_reason stop | length | error | abort
+    kv: PromptKV | None  # views into the pool cache; None when the step failed or the engine stopped
+    release: Callable[[], None]  # gives the cache back to the pool (idempotent); `kv` is invalid after it
+
+
 @dataclass
 class _Work:
     """One sequence's part of a step: a prefill chunk or a decode token."""
@@ -85,7 +112,7 @@ class _Work:
 
 
 class Scheduler:
-    """Owns the KV pool and the step loop; `submit` sequences, read `seq.outputs`, `cancel` them."""
+    """Owns the KV pool and the step loop; `submit` or `prefill` sequences, read `seq.outputs`, `cancel` them."""
 
     def __init__(self, model: Model, pool: KVPool, *, max_num_batched_tokens: int, max_num_seqs: int, chunked_prefill: bool) -> None:
         self.model = model
@@ -122,31 +149,44 @@ class Scheduler:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams, *,
-                     keep_kv: bool = False, preloaded: ReceivedKV | None = None) -> Sequence:
-        """Check the request can ever fit (raises CacheCapacityError) and queue it."""
-        self.pool.check_fits(len(prompt) + params.max_tokens)
-        if preloaded is not None:
-            seed = preloaded.header.seed
-        else:
-            seed = params.seed if params.seed is not None else random.getrandbits(63)
-        seq = Sequence(request_id, list(prompt), params, seed, keep_kv=keep_kv, preloaded=preloaded)
-        seq.detok = IncrementalDecoder(self.model.tokenizer, context=prompt)
-        self.waiting.append(seq)
-        self._wake.set()
-        return seq
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, kv: PromptKV | None = None) -> Sequence:
+        """Queue a request (raises CacheCapacityError if it can never fit); read `seq.outputs`.
+
+        With `kv` the prompt is not run here: decoding continues from those arrays and first token.
+        The caller keeps the arrays intact until `seq.kv_read` is done.
+        """
+        if kv is not None:
+            cfg = self.model.config
+            shape = (cfg.n_layers, len(prompt), cfg.n_kv_heads, cfg.head_dim)
+            assert kv.k.shape == kv.v.shape == shape, f"prompt KV of shape {kv.k.shape}, {kv.v.shape}; expected {shape}"
+        return self._queue(request_id, prompt, params, kv, keeps_cache=False)
+
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams) -> Prefilled:
+        """Run `prompt` to its first token (sampled as `submit` would) and lend out its KV.
+
+        `params.max_tokens` is taken as 1. The cache stays reserved until `release()`; cancelling
+        the wait cancels the sequence and frees it.
+        """
+        seq = self._queue(request_id, prompt, replace(params, max_tokens=1), None, keeps_cache=True)
+        release = partial(self._release_kept, seq)
+        try:
+            out = await seq.outputs.get()  # one token: its output is the last one
+        except BaseException:
+            self.cancel(seq)  # still running: the next step frees its cache
+            release()  # already finished: its kept cache goes now
+            raise
+        assert out.finish_reason is not None, f"prefill of {request_id} gave a partial output"
+        cache = seq.cache
+        if cache is None:  # error or abort: nothing was kept
+            return Prefilled(out, None, release)
+        n = len(prompt)
+        return Prefilled(out, PromptKV(cache.k[:, :n], cache.v[:, :n], seq.output[0], seq.seed), release)
 
     def cancel(self, seq: Sequence) -> None:
         """The client went away: stop the sequence and free its KV before the next step."""
         if not seq.finished:
             seq.cancelled = True
             self._wake.set()
-
-    def release_kv(self, seq: Sequence) -> None:
-        """Free a finished prefill-leg cache once its KV push is over."""
-        if seq.cache is not None:
-            self.pool.free(seq.cache)
-            seq.cache = None
 
     def load(self) -> dict[str, int]:
         """Numbers for /health and the router: queue, running sequences, free KV blocks."""
@@ -156,6 +196,26 @@ class Scheduler:
             "kv_free_blocks": self.pool.free_blocks,
             "kv_total_blocks": self.pool.total_blocks,
         }
+
+    def _queue(self, request_id: str, prompt: list[int], params: SamplingParams, kv: PromptKV | None, *, keeps_cache: bool) -> Sequence:
+        self.pool.check_fits(len(prompt) + params.max_tokens)
+        if kv is not None:
+            seed = kv.seed
+        else:
+            seed = params.seed if params.seed is not None else random.getrandbits(63)
+        kv_read = asyncio.get_running_loop().create_future()
+        if kv is None:
+            kv_read.set_result(None)
+        seq = Sequence(request_id, list(prompt), params, seed, kv_read, start_kv=kv, keeps_cache=keeps_cache)
+        seq.detok = IncrementalDecoder(self.model.tokenizer, context=prompt)
+        self.waiting.append(seq)
+        self._wake.set()
+        return seq
+
+    def _release_kept(self, seq: Sequence) -> None:
+        if seq.finished and seq.cache is not None:
+            self.pool.free(seq.cache)
+            seq.cache = None
 
     # -- the step loop ---------------------------------------------------------------------------
 
@@ -193,7 +253,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             chunk = 0
-            if seq.preloaded is None:
+            if seq.start_kv is None:
                 chunk = self._chunk(seq, budget, first=prefills == 0)
                 if chunk == 0:
                     break
@@ -204,8 +264,8 @@ class Scheduler:
             self.waiting.pop(0)
             seq.cache = cache
             self.running.append(seq)
-            if seq.preloaded is not None:
-                self._load_preloaded(seq)
+            if seq.start_kv is not None:
+                self._load_start_kv(seq)
                 if not seq.finished:
                     work.append(self._decode_work(seq))
                     budget -= 1
@@ -260,18 +320,23 @@ class Scheduler:
 
     # -- per-sequence transitions ----------------------------------------------------------------
 
-    def _load_preloaded(self, seq: Sequence) -> None:
-        """Copy the received KV into the pool cache and emit the prefill's first token."""
-        received, cache = seq.preloaded, seq.cache
-        assert received is not None and cache is not None, "preloaded sequence without KV"
-        n = received.header.num_tokens
-        cache.k[:, :n] = received.k  # (n_layers, n, n_kv_heads, head_dim)
-        cache.v[:, :n] = received.v
+    def _load_start_kv(self, seq: Sequence) -> None:
+        """Copy the given prompt KV into the pool cache and emit its first token."""
+        kv, cache = seq.start_kv, seq.cache
+        assert kv is not None and cache is not None, f"sequence {seq.request_id} has no KV to load or no cache"
+        n = len(seq.prompt)
+        cache.k[:, :n] = kv.k  # (n_layers, n, n_kv_heads, head_dim)
+        cache.v[:, :n] = kv.v
         cache.set_length(n)
-        received.release()
-        seq.preloaded = None
+        self._drop_start_kv(seq)
         seq.num_computed = n
-        self._append_token(seq, received.header.first_token)
+        self._append_token(seq, kv.first_token)
+
+    def _drop_start_kv(self, seq: Sequence) -> None:
+        """The given arrays are no longer read; their owner may reuse them."""
+        seq.start_kv = None
+        if not seq.kv_read.done():
+            seq.kv_read.set_result(None)
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.output.append(token)
@@ -309,11 +374,10 @@ class Scheduler:
         tail = seq.text[seq.sent :] if reason in ("stop", "length") else ""
         seq.sent = len(seq.text)
         self._remove(seq)
-        if seq.cache is not None and not (seq.keep_kv and reason in ("stop", "length")):
-            self.pool.free(seq.cache)  # a finished prefill leg keeps it until release_kv
+        if seq.cache is not None and not (seq.keeps_cache and reason in ("stop", "length")):
+            self.pool.free(seq.cache)  # a finished `prefill` keeps it until Prefilled.release
             seq.cache = None
-        if seq.preloaded is not None:
-            seq.preloaded.release()
+        self._drop_start_kv(seq)
         seq.outputs.put_nowait(Output(tail, len(seq.output), reason))
         if reason in ("stop", "length"):
             log_event(events.ENGINE_REQUEST_FINISHED, f"finished ({reason}) after {len(seq.output)} tokens", request_id=seq.request_id,

@@ -1,9 +1,10 @@
 """The engine's HTTP face: OpenAI chat/completions (streamed or not), /v1/models, /tokenize, /health.
 
-`create_app(config, model)` wires the scheduler, the KV hand-off and the KV listener into one
-aiohttp app (state in `web.AppKey`s, started and stopped in `cleanup_ctx`). Errors leave through
-`stack.common.errors.error_middleware` in OpenAI's shape; engine errors are mapped to API errors
-here, at one seam (`_api_error`).
+`create_app(config, model)` wires the scheduler and the KV hand-off into one aiohttp app (state in
+`web.AppKey`s, started and stopped in `cleanup_ctx`). A generation request is parsed here, then
+goes to the hand-off (a PD leg: handoff.py) or straight to the scheduler (an ordinary request),
+and its outputs are rendered here. Errors leave through `stack.common.errors.error_middleware` in
+OpenAI's shape; engine errors are mapped to API errors here, at one seam (`_api_error`).
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, replace
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -26,9 +27,8 @@ from stack.common.sse import open_stream, send_done, send_event
 from stack.engine import protocol
 from stack.engine.config import EngineConfig
 from stack.engine.errors import CacheCapacityError, KVTransferError
-from stack.engine.handoff import KVHandoff
+from stack.engine.handoff import KVHandoff, pd_leg
 from stack.engine.kv_cache import KVPool
-from stack.engine.kv_consumer import KVConsumer
 from stack.engine.model import Model
 from stack.engine.protocol import CompletionRequest, Kind, ResponseIds
 from stack.engine.scheduler import Output, Scheduler, Sequence
@@ -58,9 +58,7 @@ def create_app(config: EngineConfig, model: Model) -> web.Application:
     pool = KVPool(model.config, config.pool_bytes, config.block_size)
     scheduler = Scheduler(model, pool, max_num_batched_tokens=config.max_num_batched_tokens,
                           max_num_seqs=config.max_num_seqs, chunked_prefill=config.chunked_prefill)
-    kv = config.kv_transfer_config
-    consumer = KVConsumer(fingerprint=model.fingerprint, buffer_size=kv.buffer_bytes, lease_ms=kv.kv_lease_ms) if config.is_kv_consumer else None
-    engine = Engine(config, model, scheduler, KVHandoff(config, model, consumer), max_model_len, int(time.time()))
+    engine = Engine(config, model, scheduler, KVHandoff(config, model, scheduler), max_model_len, int(time.time()))
 
     app = web.Application(middlewares=[request_id_middleware, error_middleware()], client_max_size=16 * 1024 * 1024)
     app[ENGINE] = engine
@@ -76,13 +74,9 @@ def create_app(config: EngineConfig, model: Model) -> web.Application:
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     engine = app[ENGINE]
     engine.scheduler.start()
-    consumer = engine.handoff.consumer
-    if consumer is not None:
-        kv = engine.config.kv_transfer_config
-        await consumer.start(kv.kv_ip, kv.kv_port)
+    await engine.handoff.start()
     yield
-    if consumer is not None:
-        await consumer.close()
+    await engine.handoff.close()
     await engine.scheduler.stop()
 
 
@@ -122,12 +116,8 @@ async def tokenize(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """200 once warm (503 before), with the load numbers a router may use."""
     engine = request.app[ENGINE]
-    consumer = engine.handoff.consumer
     body = {"status": "ok" if engine.ready else "starting", "role": engine.config.role, "model": engine.config.model,
-            "fingerprint": engine.model.fingerprint, **engine.scheduler.load()}
-    if consumer is not None:
-        body |= {"kv_port": consumer.port, "kv_buffer_used": consumer.buffer_used, "kv_buffer_size": consumer.buffer_size,
-                 "kv_held_transfers": consumer.held_transfers}
+            "fingerprint": engine.model.fingerprint, **engine.scheduler.load(), **engine.handoff.health()}
     return web.json_response(body, status=200 if engine.ready else 503)
 
 
@@ -141,54 +131,49 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     data = protocol.parse_json(await request.read())
     req = protocol.parse_request(kind, data, model_id=engine.config.model, tokenizer=engine.model.tokenizer,
                                  max_model_len=engine.max_model_len)
-    kv = req.kv_transfer
-    leg = None if kv is None else ("prefill" if kv.do_remote_decode else "decode")
-    if leg == "prefill":
-        req = replace(req, sampling=replace(req.sampling, max_tokens=1))  # the prefill leg computes the first token only
+    kv, leg = req.kv_transfer, pd_leg(req)
+    max_tokens = 1 if leg == "prefill" else req.sampling.max_tokens  # the prefill leg computes the first token only
     log_event(events.ENGINE_REQUEST_RECEIVED, f"{kind} request: {len(req.prompt_tokens)} prompt tokens" + (f", PD {leg} leg" if leg else ""),
-              prompt_tokens=len(req.prompt_tokens), max_tokens=req.sampling.max_tokens, stream=req.stream,
+              prompt_tokens=len(req.prompt_tokens), max_tokens=max_tokens, stream=req.stream,
               role=engine.config.role, pd_leg=leg, transfer_id=kv.transfer_id if kv else None)
     try:
-        if leg == "prefill":
-            engine.handoff.check_producer()
-        preloaded = await _unless_client_gone(request, engine.handoff.claim(req)) if leg == "decode" else None
-        try:
-            seq = engine.scheduler.new_sequence(request_id, list(req.prompt_tokens), req.sampling,
-                                                keep_kv=leg == "prefill", preloaded=preloaded)
-        except CacheCapacityError:
-            if preloaded is not None:
-                preloaded.release()
-            raise
+        if leg == "prefill":  # stream=false (parse_request): the whole leg, KV push included, then one body
+            prefilled = await _unless_client_gone(request, engine.handoff.prefill(request_id, req))
+            out = prefilled.output
+            return _completion(request, engine, req, out.text, out, kv_transfer_params=prefilled.kv_transfer_params)
+        if leg == "decode":
+            seq = await _unless_client_gone(request, engine.handoff.decode(request_id, req))
+        else:
+            seq = engine.scheduler.submit(request_id, list(req.prompt_tokens), req.sampling)
     except (KVTransferError, CacheCapacityError) as err:
         raise _api_error(err, req) from None
     except _ClientGone:
-        return web.Response(status=499)  # gave up while its KV was awaited
+        return web.Response(status=499)  # nginx's "client closed request"; nobody reads it
     try:
         if req.stream:
             return await _stream(request, engine, req, seq)
         return await _complete(request, engine, req, seq)
     except _ClientGone:
-        return web.Response(status=499)  # nginx's "client closed request"; nobody reads it
+        return web.Response(status=499)
     finally:
         engine.scheduler.cancel(seq)  # no-op when it finished
-        if leg == "prefill":
-            engine.scheduler.release_kv(seq)
 
 
 async def _complete(request: web.Request, engine: Engine, req: CompletionRequest, seq: Sequence) -> web.Response:
     text, out = "", None
     async for out in _outputs(request, seq):
         text += out.text
-    assert out is not None and out.finish_reason is not None, "output stream ended without a finish"
+    assert out is not None, "output stream ended without a finish"
+    return _completion(request, engine, req, text, out)
+
+
+def _completion(request: web.Request, engine: Engine, req: CompletionRequest, text: str, out: Output, **extra: Any) -> web.Response:
+    """The non-streamed body for `text` ending with `out`; `extra` adds top-level keys (kv_transfer_params)."""
     _raise_if_failed(out)
+    assert out.finish_reason is not None, "a completion body needs the last output"
     ids = ResponseIds.new(req.kind, request[REQUEST_ID], engine.config.model)
     body = protocol.completion_body(req.kind, ids, text, out.finish_reason, len(req.prompt_tokens), out.num_tokens)
-    if req.kv_transfer is not None and req.kv_transfer.do_remote_decode:
-        try:
-            body["kv_transfer_params"] = await engine.handoff.push(request[REQUEST_ID], req, seq)
-        except KVTransferError as err:
-            raise _api_error(err, req) from None
-    return web.json_response(body)
+    return web.json_response(body | extra)
 
 
 async def _stream(request: web.Request, engine: Engine, req: CompletionRequest, seq: Sequence) -> web.StreamResponse:

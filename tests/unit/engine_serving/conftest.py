@@ -136,17 +136,21 @@ def prefill_leg(body: dict[str, Any], transfer_id: str, decode_kv_addr: str) -> 
 
 
 class EngineProcess:
-    """`python -m stack.engine` on free ports; stdout JSON lines are collected as they come."""
+    """`python -m stack.engine` on free ports; stdout JSON lines are collected as they come, and waits
+    wake on each new line (or on the process closing its stdout) instead of polling."""
 
-    def __init__(self, tmp: Path, name: str, config: dict[str, Any], extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, tmp: Path, name: str, config: dict[str, Any], extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
         self.config_path = tmp / f"{name}.json"
         self.config_path.write_text(json.dumps(config))
         self.port, self.health_port = free_port(), free_port()
         self.lines: list[dict[str, Any]] = []
+        self._arrived = threading.Condition()  # notified per line and at end of output
+        self._output_closed = False
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "stack.engine", "--config", str(self.config_path), "--host", "127.0.0.1",
              "--port", str(self.port), "--health-port", str(self.health_port), "--service-name", name, *extra_args],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -155,28 +159,35 @@ class EngineProcess:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith("{"):
-                self.lines.append(json.loads(line))
+                with self._arrived:
+                    self.lines.append(json.loads(line))
+                    self._arrived.notify_all()
+        with self._arrived:
+            self._output_closed = True
+            self._arrived.notify_all()
+
+    def _wait_for_event(self, name: str, timeout: float) -> bool:
+        """True once a `name` line is in; False if the output closed or `timeout` passed first."""
+        with self._arrived:
+            self._arrived.wait_for(lambda: bool(self.events(name)) or self._output_closed, timeout)
+            return bool(self.events(name))
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self) -> EngineProcess:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.events("service.ready"):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"engine did not start (rc={self.proc.poll()}): {self.proc.stderr.read() if self.proc.stderr else ''} {self.lines}")
-            time.sleep(0.05)
+        if not self._wait_for_event("service.ready", START_TIMEOUT_S):
+            exited = self._output_closed  # it ended; a hang leaves stderr unread (reading it would block)
+            stderr = self.proc.communicate(timeout=10)[1] if exited else ""
+            raise AssertionError(f"engine did not start (rc={self.proc.poll()}): {stderr} {self.lines}")
         return self
 
     def events(self, name: str) -> list[dict[str, Any]]:
         return [line for line in list(self.lines) if line.get("event") == name]
 
     def wait_event(self, name: str, timeout: float = 10.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while not self.events(name):
-            assert time.monotonic() < deadline, f"no {name} in {self.lines[-5:]}"
-            time.sleep(0.02)
+        assert self._wait_for_event(name, timeout), f"no {name} in {self.lines[-5:]}"
         return self.events(name)[0]
 
     def kv_port(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from stack.common.config import ConfigError
 from stack.common.health_probe import SERVING, probe
 from stack.engine.__main__ import main
-from stack.engine.config import load_config
+from stack.engine.config import ignored_fields, load_config
 
 from .conftest import REPO, EngineProcess
 
@@ -94,17 +95,50 @@ def test_override_goes_through_the_same_validation(tmp_path: Path, capsys) -> No
     assert "kv_transfer_config.kv_port: must be a TCP port" in capsys.readouterr().err
 
 
+def test_kv_transfer_port_moves_a_consumers_listener_only(tmp_path: Path) -> None:
+    """KV_TRANSFER_PORT sets decode's kv_port (an explicit --kv-port still wins); a producer ignores it and its kv_port."""
+    decode, prefill = tmp_path / "decode.json", tmp_path / "prefill.json"
+    decode.write_text(json.dumps({"role": "decode", "kv_transfer_config": {"kv_port": 9100}}))
+    prefill.write_text(json.dumps(ARTICLE_PREFILL))
+    env = {"KV_TRANSFER_PORT": " 9200 "}
+
+    assert load_config(decode, env=env)[0].kv_transfer_config.kv_port == 9200
+    assert load_config(decode, {"kv_transfer_config.kv_port": 0}, env=env)[0].kv_transfer_config.kv_port == 0
+    assert load_config(decode, env={"KV_TRANSFER_PORT": ""})[0].kv_transfer_config.kv_port == 9100  # empty: unset
+    config, raw = load_config(prefill, env={"KV_TRANSFER_PORT": "not even a number"})
+    assert config.kv_transfer_config.kv_port == 9100
+    assert ("kv_transfer_config.kv_port", 9100, "only a KV consumer listens; this is a kv_producer") in ignored_fields(config, raw)
+
+
+@pytest.mark.parametrize("value", ["91x0", "70000", "-1"])
+def test_bad_kv_transfer_port_is_one_line_naming_the_variable(tmp_path: Path, capsys, monkeypatch, value: str) -> None:
+    """A KV_TRANSFER_PORT that is not a port stops a decode engine: exit 2, `environment: KV_TRANSFER_PORT: …`."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"role": "decode", "checkpoint": "dummy:tiny"}))
+    monkeypatch.setenv("KV_TRANSFER_PORT", value)
+    assert main(["--config", str(path)]) == 2
+
+    out, err = capsys.readouterr()
+    assert err.strip() == f"error: environment: KV_TRANSFER_PORT: must be a TCP port (0-65535; 0 picks a free one), got {value!r}"
+    logged = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(line["event"], line["key"]) for line in logged] == [("config.invalid", "KV_TRANSFER_PORT")]
+
+
 def test_shipped_configs_start_and_report_ignored_fields(tmp_path: Path) -> None:
-    """stack/decode/config.json starts (tiny checkpoint, free KV port) and logs each CPU-meaningless key once."""
-    engine = EngineProcess(tmp_path, "decode", json.loads((REPO / "stack/decode/config.json").read_text()),
-                           ("--checkpoint", "dummy:tiny", "--kv-port", "0"))
+    """decode/config.json starts (tiny checkpoint, KV_TRANSFER_PORT=0: a free KV port), logs each CPU-meaningless
+    key once, and /health reports the port it listens on."""
+    engine = EngineProcess(tmp_path, "decode", json.loads((REPO / "decode" / "config.json").read_text()),
+                           ("--checkpoint", "dummy:tiny"), env={"KV_TRANSFER_PORT": "0"})
     try:
         engine.wait_ready()
         ignored = {line["key"] for line in engine.events("config.ignored")}
         assert ignored == {"tensor_parallel_size", "pipeline_parallel_size", "gpu_memory_utilization", "kv_transfer_config.kv_connector"}
         assert engine.events("service.starting")[0]["checkpoint"] == "dummy:tiny"
-        assert engine.kv_port() != 9100
+        kv_port = engine.kv_port()
+        assert kv_port not in (0, 9100)
         assert probe(f"127.0.0.1:{engine.health_port}") == SERVING  # gRPC health after warm-up
+        with urllib.request.urlopen(f"{engine.url}/health", timeout=5) as response:
+            assert json.load(response)["kv_port"] == kv_port
     finally:
         engine.stop()
 
@@ -113,7 +147,7 @@ def test_shipped_configs_start_and_report_ignored_fields(tmp_path: Path) -> None
 def test_shipped_config_files_are_valid(role: str) -> None:
     """Every shipped config.json passes validation with the role its folder names."""
     try:
-        config, _ = load_config(REPO / "stack" / role / "config.json")
+        config, _ = load_config(REPO / role / "config.json", env={})
     except ConfigError as exc:
         pytest.fail(str(exc))
     assert config.role == {"colocated": "both"}.get(role, role)

@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 
 from stack.common.sse import DONE, read_events
+from stack.engine.server import warm_up
 
 from .conftest import EngineProcess, chat, prefill_leg, write_hf_checkpoint
 
@@ -93,11 +94,20 @@ async def test_pd_pair_streams_the_same_tokens_as_colocated(trio: Trio, sampling
     assert not [e for e in trio.decode.events("engine.prefill_done") if e["request_id"] == request_id]
 
 
-async def test_decode_health_shows_the_buffer_back_at_zero(trio: Trio) -> None:
-    """After claimed hand-offs the decode's KV receive buffer and pool are empty again."""
-    async with aiohttp.ClientSession() as session, session.get(f"{trio.decode.url}/health") as response:
-        body = await response.json()
-    assert response.status == 200
+async def test_decode_health_shows_the_buffer_back_at_zero(engine_client) -> None:
+    """After claimed hand-offs (streamed and not) decode's /health reports an empty receive buffer and pool."""
+    prefill, decode = await engine_client("prefill"), await engine_client("decode")
+    await warm_up(decode.client.app)
+    for i, stream in enumerate((True, False)):
+        body = chat(f"hand-off number {i}", max_tokens=5, stream=stream)
+        leg = await (await prefill.client.post("/v1/chat/completions", json=prefill_leg(body, f"t-health-{i}", decode.kv_addr))).json()
+        answer = await decode.client.post("/v1/chat/completions", json=body | {"kv_transfer_params": leg["kv_transfer_params"]})
+        assert answer.status == 200
+        await answer.read()
+
+    response = await decode.client.get("/health")
+    body = await response.json()
+    assert response.status == 200 and body["kv_port"] == decode.engine.handoff.consumer.port
     assert body["kv_buffer_used"] == 0 and body["kv_held_transfers"] == 0
     assert body["kv_free_blocks"] == body["kv_total_blocks"]
 

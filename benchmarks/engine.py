@@ -1,53 +1,24 @@
 """Engine micro-benchmarks with ratios to baselines measured in the same run (not a test).
 
-    python -m stack.engine.benchmark [--model dummy:small] [--prompt 800] [--repeat 3]
-    OPENBLAS_NUM_THREADS=1 python -m stack.engine.benchmark --clock cpu   # one core, CPU time
+    python -m benchmarks.engine [--model dummy:small] [--prompt 800] [--repeat 3]
+    OPENBLAS_NUM_THREADS=1 python -m benchmarks.engine --clock cpu   # one core, CPU time
 
-Sections run in order and share a `Bench` record: baselines first (numpy GEMM peak, memory copy
-bandwidth, loopback socket bandwidth), then prefill and decode. Another part adds its own figures
-by appending a function to `SECTIONS` (e.g. KV transfer GB/s vs `bench.baselines["socket_gbps"]`).
+Sections run in order and share a `Bench` record (_common.py): baselines first (numpy GEMM peak,
+memory copy bandwidth, loopback socket bandwidth), then prefill, decode and the KV transfer
+(kv_transfer.py, also runnable alone). Add figures by appending a function to `SECTIONS`.
 Thread count: whatever numpy/OpenBLAS uses in this process (set OPENBLAS_NUM_THREADS to pin it);
 every figure and its baseline use the same one.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import socket
-import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
 import numpy as np
 
+from benchmarks import _common
+from benchmarks._common import Bench, Section, best_time, socket_bandwidth
+from benchmarks.kv_transfer import kv_transfer
 from stack.engine.kv_cache import KVCache
-from stack.engine.model import Model, Segment, forward, load_model
-
-
-@dataclass
-class Bench:
-    """What the sections share: the model, arguments, and the baselines measured so far."""
-
-    model: Model
-    prompt_tokens: int
-    repeat: int
-    baselines: dict[str, float] = field(default_factory=dict)
-    clock: Callable[[], float] = time.perf_counter  # time.process_time with --clock cpu
-
-    def report(self, label: str, value: str, ratio: str = "") -> None:
-        print(f"  {label:<44} {value:>22}  {ratio}")
-
-
-def best_time(fn: Callable[[], object], repeat: int, clock: Callable[[], float] = time.perf_counter) -> float:
-    """Fastest of `repeat` runs in seconds (the machine is shared: the minimum is the least noisy)."""
-    times = []
-    for _ in range(repeat):
-        t0 = clock()
-        fn()
-        times.append(clock() - t0)
-    return min(times)
+from stack.engine.model import Model, Segment, forward
 
 
 def measure_gemm(bench: Bench) -> float:
@@ -73,38 +44,6 @@ def copy_bandwidth(bench: Bench) -> None:
     gbps = 2 * src.nbytes / seconds / 1e9
     bench.baselines["copy_gbps"] = gbps
     bench.report("memory copy bandwidth (read + write)", f"{gbps:8.1f} GB/s")
-
-
-def loopback_socket_bandwidth(nbytes: int = 256 * 2**20, chunk: int = 4 * 2**20) -> float:
-    """GB/s of one TCP connection over 127.0.0.1 pushing `nbytes` (the raw baseline for KV transfer)."""
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
-
-    def drain() -> None:
-        conn, _ = server.accept()
-        with conn:
-            buf = bytearray(chunk)
-            while conn.recv_into(buf):
-                pass
-
-    reader = threading.Thread(target=drain)
-    reader.start()
-    payload = memoryview(bytes(chunk))
-    with socket.create_connection(("127.0.0.1", port)) as client:
-        t0 = time.perf_counter()
-        for _ in range(nbytes // chunk):
-            client.sendall(payload)
-        client.shutdown(socket.SHUT_WR)
-        reader.join()
-        seconds = time.perf_counter() - t0
-    server.close()
-    return nbytes / seconds / 1e9
-
-
-def socket_bandwidth(bench: Bench) -> None:
-    gbps = max(loopback_socket_bandwidth() for _ in range(bench.repeat))
-    bench.baselines["socket_gbps"] = gbps
-    bench.report("loopback TCP socket bandwidth", f"{gbps:8.2f} GB/s")
 
 
 def prefill_flops(model: Model, T: int) -> float:
@@ -180,13 +119,6 @@ def decode_step_seconds(bench: Bench, batch: int, context: int, steps: int = 8) 
     return best_time(lambda: [step() for _ in range(steps - 1)], bench.repeat, bench.clock) / (steps - 1)
 
 
-def kv_transfer(bench: Bench) -> None:
-    """KV push over the real KV socket vs a raw loopback send of the same size (stack/engine/kv_bench.py)."""
-    from stack.engine.kv_bench import kv_transfer_section  # imports this module: import on use
-
-    kv_transfer_section(bench)
-
-
 def stability(bench: Bench) -> None:
     """GEMM again at the end: on a shared machine a large drift means the ratios above are unreliable."""
     drift = measure_gemm(bench) / bench.baselines["gemm_gflops"]
@@ -194,30 +126,8 @@ def stability(bench: Bench) -> None:
 
 
 # Append a section (a function taking the `Bench`) to add figures; baselines run first.
-SECTIONS: list[Callable[[Bench], None]] = [gemm_peak, copy_bandwidth, socket_bandwidth, prefill, decode, kv_transfer,
-                                           stability]
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="dummy:small", help="dummy:tiny | dummy:small | HF checkpoint dir")
-    parser.add_argument("--prompt", type=int, default=800, help="prompt / context length in tokens")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per figure; the best is reported")
-    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                        help="cpu = process CPU time: robust on a busy shared machine; needs OPENBLAS_NUM_THREADS=1")
-    args = parser.parse_args(argv)
-    if args.clock == "cpu" and os.environ.get("OPENBLAS_NUM_THREADS") != "1":
-        parser.error("--clock cpu counts every thread's CPU time: run with OPENBLAS_NUM_THREADS=1")
-    env = {k: os.environ.get(k, "-") for k in ("OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"engine benchmark: model {args.model}, numpy {np.__version__}, cpus {os.cpu_count()}, "
-          f"load average {load}, env {env}")
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    bench = Bench(load_model(args.model), args.prompt, args.repeat, clock=clock)
-    for section in SECTIONS:
-        print(f"[{section.__name__}]")
-        section(bench)
+SECTIONS: list[Section] = [gemm_peak, copy_bandwidth, socket_bandwidth, prefill, decode, kv_transfer, stability]
 
 
 if __name__ == "__main__":
-    main()
+    _common.main(__spec__.name, "engine", __doc__.splitlines()[0], SECTIONS)

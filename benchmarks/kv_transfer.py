@@ -1,9 +1,12 @@
-"""The KV-transfer section of `python -m stack.engine.benchmark`: GB/s over the real KV socket.
+"""KV-transfer GB/s over the real KV socket: a section of `python -m benchmarks.engine`, or alone.
+
+    python -m benchmarks.kv_transfer [--model dummy:small] [--prompt 800] [--repeat 3]
 
 Each push runs the engine's own code path and is timed from the checksums through the header, the
 consumer's reply, the layer-wise payload from the cache's memory and the consumer's verification to
-its ack; the decode side then claims and releases it (untimed: that belongs to the decode request). Producer and consumer each run on their own event loop thread, as in the prefill
-and decode engines. The baseline is a raw loopback TCP send of the same bytes from memory into
+its ack; the decode side then claims and releases it (untimed: that belongs to the decode request).
+Producer and consumer each run on their own event loop thread, as in the prefill and decode
+engines. The baseline is a raw loopback TCP send of the same bytes from memory into
 memory, measured interleaved with the pushes (the machine is shared and noisy), best of each; the
 ratio to the benchmark's general socket baseline (a 1 MB buffer that stays in cache) is printed too.
 """
@@ -19,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import _common
+from benchmarks._common import Bench, socket_bandwidth
 from stack.common.logging import setup_logging
 from stack.engine import kv_wire
-from stack.engine.benchmark import Bench
 from stack.engine.kv_cache import KVCache
 from stack.engine.kv_consumer import KVConsumer
 from stack.engine.kv_transfer import KVProducer, prompt_hash
@@ -51,7 +55,8 @@ def raw_socket_gbps(src: np.ndarray, dst: np.ndarray) -> float:
     return src.nbytes / seconds / 1e9
 
 
-def kv_transfer_section(bench: Bench) -> None:
+def kv_transfer(bench: Bench) -> None:
+    """KV push over the real KV socket vs a raw loopback send of the same size."""
     setup_logging("benchmark", level="WARNING")  # no per-transfer log lines between the figures
     model, cfg = bench.model, bench.model.config
     decode_loop, prefill_loop = asyncio.new_event_loop(), asyncio.new_event_loop()
@@ -100,3 +105,7 @@ def kv_transfer_section(bench: Bench) -> None:
     on(decode_loop, consumer.close())
     for loop in (decode_loop, prefill_loop):
         loop.call_soon_threadsafe(loop.stop)
+
+
+if __name__ == "__main__":
+    _common.main(__spec__.name, "kv transfer", __doc__.splitlines()[0], [socket_bandwidth, kv_transfer])
