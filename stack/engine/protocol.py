@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from stack.common.errors import InvalidRequest, NotFound
 from stack.engine.errors import ChatTemplateError
@@ -22,9 +22,7 @@ from stack.protocol.fields import Fields
 from stack.protocol.messages import parse_messages
 from stack.protocol.parse import parse, parse_prompt
 from stack.protocol.serialise import message_body
-from stack.protocol.types import Message, Request, Sampling
-
-Kind = Literal["chat", "completion"]
+from stack.protocol.types import Kind, Message, Request, Sampling
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,8 @@ _SAMPLING_NEEDS: dict[str, tuple[str, tuple[object, ...], str]] = {
 }
 
 
-def _unsupported(param: str, why: str) -> InvalidRequest:
+def unsupported(param: str, why: str) -> InvalidRequest:
+    """The 400 for a parameter this deployment cannot honour (OpenAI's wording)."""
     return InvalidRequest(f"Unsupported parameter: '{param}' {why}.", param=param, code="unsupported_parameter")
 
 
@@ -63,15 +64,15 @@ def fit(request: Request, caps: Capabilities) -> Request:
                 raise InvalidRequest(f"Unsupported message role 'tool' at 'messages[{i}].role': this deployment has no tool calling.",
                                      param=f"messages[{i}].role", code="unsupported_parameter")
             if message.tool_calls:
-                raise _unsupported(f"messages[{i}].tool_calls", "cannot be replayed: this deployment has no tool calling")
+                raise unsupported(f"messages[{i}].tool_calls", "cannot be replayed: this deployment has no tool calling")
     choice = request.tool_choice
     if choice is not None and choice.mode in ("required", "function") and not (caps.tools and caps.forced_tool_choice):
-        raise _unsupported("tool_choice", "may only be \"auto\" or \"none\": this model never calls tools")
+        raise unsupported("tool_choice", "may only be \"auto\" or \"none\": this model never calls tools")
     if not caps.structured_outputs:
         if request.response_format is not None and request.response_format.type != "text":
-            raise _unsupported("response_format", "other than {\"type\": \"text\"} " + _NOT_SUPPORTED)
+            raise unsupported("response_format", "other than {\"type\": \"text\"} " + _NOT_SUPPORTED)
         if request.structured_outputs is not None:
-            raise _unsupported("structured_outputs", _NOT_SUPPORTED)
+            raise unsupported("structured_outputs", _NOT_SUPPORTED)
     if not caps.tools:
         request = replace(request, tools=(), tool_choice=None, parallel_tool_calls=None)  # no effect on this backend
     return request
@@ -81,4 +82,4 @@ def _check_sampling(sampling: Sampling, caps: Capabilities) -> None:
     for name, (flag, off, why) in _SAMPLING_NEEDS.items():
         value = getattr(sampling, name)
         if value is not None and value not in off and not getattr(caps, flag):
-            raise _unsupported(name, why)
+            raise unsupported(name, why)

@@ -19,13 +19,9 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
 
 def parse_tools(fields: Fields) -> tuple[Tool, ...]:
     tools = []
-    for i, item in enumerate(fields.array("tools") or []):
-        where = f"{fields.prefix}tools[{i}]"
-        if not isinstance(item, dict):
-            raise InvalidRequest(f"Invalid type for '{where}': expected an object.", param=where, code="invalid_type")
-        t = Fields(item, f"{where}.")
+    for t in fields.objects("tools"):
         if t.string("type", default="function") != "function":
-            raise t.bad("type", f"only 'function' tools are supported, got {item['type']!r}.", code="unsupported_parameter")
+            raise t.bad("type", f"only 'function' tools are supported, got {t.body['type']!r}.", code="unsupported_parameter")
         function = t.nested("function", required=True)
         assert function is not None, "required nested object"
         tools.append(Tool(function.string("name", required=True) or "", function.string("description"), function.obj("parameters"),

@@ -102,6 +102,15 @@ class Fields:
             raise self.wrong(name, "an array", value)
         return value
 
+    def objects(self, name: str, required: bool = False) -> list[Fields]:
+        """The array at `name` whose items are objects, each as Fields of its own (`name[i].key`)."""
+        items = self.array(name, required) or []
+        for i, item in enumerate(items):
+            if not isinstance(item, dict):
+                where = f"{self.label(name)}[{i}]"
+                raise InvalidRequest(f"Invalid type for '{where}': expected an object.", param=where, code="invalid_type")
+        return [Fields(item, f"{self.label(name)}[{i}].") for i, item in enumerate(items)]
+
     def nested(self, name: str, required: bool = False) -> Fields | None:
         """The object at `name` as Fields of its own (messages name its keys `name.key`)."""
         value = self.obj(name, required)

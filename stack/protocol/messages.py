@@ -37,16 +37,14 @@ def text_content(content: Any, where: str, part_types: frozenset[str]) -> str:
 
 def parse_messages(fields: Fields) -> tuple[Message, ...]:
     """`messages`: a non-empty array of chat messages."""
-    messages = fields.array("messages", required=True) or []
+    messages = fields.objects("messages", required=True)
     if not messages:
         raise fields.bad("messages", "must contain at least one message.")
-    return tuple(_message(item, f"messages[{i}]") for i, item in enumerate(messages))
+    return tuple(_message(f) for f in messages)
 
 
-def _message(item: Any, where: str) -> Message:
-    if not isinstance(item, dict):
-        raise InvalidRequest(f"Invalid type for '{where}': expected an object.", param=where, code="invalid_type")
-    f = Fields(item, f"{where}.")
+def _message(f: Fields) -> Message:
+    where = f.prefix.rstrip(".")
     role = f.string("role", required=True)
     if role == "function":
         raise InvalidRequest(f"Unsupported message role 'function' at '{where}.role': the deprecated function role is not "
@@ -54,7 +52,7 @@ def _message(item: Any, where: str) -> Message:
     if role not in CHAT_ROLES:
         raise f.bad("role", f"expected one of system, developer, user, assistant, tool, got {role!r}.")
     tool_calls = _tool_calls(f) if role == "assistant" else ()
-    content = item.get("content")
+    content = f.body.get("content")
     if content is None and not tool_calls:
         raise InvalidRequest(f"Missing required parameter: '{where}.content'.", param=f"{where}.content",
                              code="missing_required_parameter")
@@ -65,13 +63,9 @@ def _message(item: Any, where: str) -> Message:
 
 def _tool_calls(f: Fields) -> tuple[ToolCall, ...]:
     calls = []
-    for i, call in enumerate(f.array("tool_calls") or []):
-        where = f"{f.prefix}tool_calls[{i}]"
-        if not isinstance(call, dict):
-            raise InvalidRequest(f"Invalid type for '{where}': expected an object.", param=where, code="invalid_type")
-        c = Fields(call, f"{where}.")
+    for c in f.objects("tool_calls"):
         if c.string("type", default="function") != "function":
-            raise c.bad("type", f"expected 'function', got {call['type']!r}.")
+            raise c.bad("type", f"expected 'function', got {c.body['type']!r}.")
         function = c.nested("function", required=True)
         assert function is not None, "required nested object"
         calls.append(ToolCall(c.string("id", required=True) or "", function.string("name", required=True) or "",

@@ -24,6 +24,7 @@ from aiohttp import web
 from stack.common import events, sse
 from stack.common.errors import REQUEST_ID, APIError, InvalidRequest, openai_error_body
 from stack.common.logging import log_event
+from stack.protocol.capabilities import unsupported
 from stack.protocol.fields import Fields
 from stack.protocol.parse import FIELDS, parse
 from stack.router.api.common import charge, engine_body, read_json, received, relay
@@ -47,16 +48,12 @@ def _check_known(body: dict[str, Any], known: set[str] | frozenset[str]) -> None
             raise InvalidRequest(f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter")
 
 
-def _unsupported(name: str, why: str) -> InvalidRequest:
-    return InvalidRequest(f"Unsupported parameter: '{name}' {why}.", param=name, code="unsupported_parameter")
-
-
 def _check_chat_only(f: Fields) -> None:
     f.string("user")
     if f.body.get("function_call") not in (None, "auto", "none"):
-        raise _unsupported("function_call", "cannot force a call: this model never calls functions")
+        raise unsupported("function_call", "cannot force a call: this model never calls functions")
     if f.body.get("audio") is not None:
-        raise _unsupported("audio", "is not supported by this deployment")
+        raise unsupported("audio", "is not supported by this deployment")
     modalities = f.array("modalities")
     if modalities is not None and modalities != ["text"]:
         raise f.bad("modalities", "only [\"text\"] is supported.", code="unsupported_parameter")
@@ -65,11 +62,11 @@ def _check_chat_only(f: Fields) -> None:
 def _check_completion_only(f: Fields) -> None:
     f.string("user")
     if f.body.get("echo") not in (None, False):
-        raise _unsupported("echo", "is not supported by this deployment")
+        raise unsupported("echo", "is not supported by this deployment")
     if f.body.get("best_of") not in (None, 1):
-        raise _unsupported("best_of", "must be 1")
+        raise unsupported("best_of", "must be 1")
     if f.body.get("suffix") is not None:
-        raise _unsupported("suffix", "is not supported by this deployment")
+        raise unsupported("suffix", "is not supported by this deployment")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

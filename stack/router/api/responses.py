@@ -24,6 +24,7 @@ from aiohttp import web
 
 from stack.common import sse
 from stack.common.errors import REQUEST_ID, APIError, InvalidRequest
+from stack.protocol.capabilities import unsupported
 from stack.protocol.fields import Fields
 from stack.protocol.messages import CHAT_ROLES, text_content
 from stack.protocol.parse import parse
@@ -67,8 +68,7 @@ def _parse(body: dict[str, Any]) -> Request:
         raise InvalidRequest("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
     chat = _messages(f)
     if body.get("previous_response_id") is not None:
-        raise InvalidRequest("Unsupported parameter: 'previous_response_id' is not supported: this router stores no responses; "
-                             "send the whole conversation in 'input'.", param="previous_response_id", code="unsupported_parameter")
+        raise unsupported("previous_response_id", "is not supported: this router stores no responses; send the whole conversation in 'input'")
     choice = body.get("tool_choice")
     if isinstance(choice, dict):  # Responses names the function at the top level: {"type": "function", "name": …}
         choice = {"type": "function", "function": {"name": choice.get("name")}}
