@@ -69,7 +69,9 @@ WRONG_TYPES = [
     ("completions", {"max_tokens": 0}, "invalid_value", "max_tokens", "must be >= 1"),
     ("responses", {"input": 5}, "invalid_type", "input", "expected a string or a non-empty array"),
     ("responses", {"max_output_tokens": 1.5}, "invalid_type", "max_output_tokens", "expected an integer"),
+    ("responses", {"max_output_tokens": 0}, "invalid_value", "max_output_tokens", "Invalid value for 'max_output_tokens': must be >= 1"),
     ("messages", {"max_tokens": None}, "missing_required_parameter", "max_tokens", "Missing required parameter: 'max_tokens'"),
+    ("messages", {"stop_sequences": [""]}, "invalid_value", "stop_sequences", "Invalid value for 'stop_sequences'"),
     ("messages", {"messages": [{"role": "system", "content": "x"}]}, "invalid_value", "messages[0].role", "expected 'user' or 'assistant'"),
 ]
 
@@ -89,7 +91,9 @@ UNSUPPORTED = [
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]", "(type 'image_url'): only input_text, text parts"),
     ("chat", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role", "no tool calling"),
+    ("chat", {"top_k": 5}, "top_k", "not supported"),
     ("completions", {"echo": True}, "echo", "not supported"),
+    ("completions", {"logprobs": 1}, "logprobs", "not supported"),
     ("responses", {"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
     ("responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0]", "(type 'input_image'): only input_text, output_text, text parts"),
