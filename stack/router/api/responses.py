@@ -70,8 +70,10 @@ def _parse(body: dict[str, Any]) -> Request:
     if body.get("previous_response_id") is not None:
         raise unsupported("previous_response_id", "is not supported: this router stores no responses; send the whole conversation in 'input'")
     choice = body.get("tool_choice")
-    if isinstance(choice, dict):  # Responses names the function at the top level: {"type": "function", "name": …}
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, dict):
+        # Responses names the function at the top level ({"type": "function", "name": …}); choosing a
+        # hosted tool ({"type": "web_search"}) forces a tool call too.
+        choice = {"type": "function", "function": {"name": choice.get("name")}} if choice.get("type") == "function" else "required"
     fields = {"model": model, "messages": chat, "max_tokens": body.get("max_output_tokens"), "stream": body.get("stream"),
               "tool_choice": choice, **{name: body.get(name) for name in ("temperature", "top_p", "ignore_eos")}}
     return parse("chat", fields, labels={"max_tokens": "max_output_tokens"})

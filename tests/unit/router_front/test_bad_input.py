@@ -95,6 +95,8 @@ UNSUPPORTED = [
     ("completions", {"echo": True}, "echo", "not supported"),
     ("completions", {"logprobs": 1}, "logprobs", "not supported"),
     ("responses", {"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
+    ("responses", {"tool_choice": {"type": "function", "name": "f"}}, "tool_choice", "never calls tools"),
+    ("responses", {"tool_choice": {"type": "web_search"}}, "tool_choice", "never calls tools"),
     ("responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0]", "(type 'input_image'): only input_text, output_text, text parts"),
     ("messages", {"tool_choice": {"type": "any"}}, "tool_choice", "never calls tools"),
