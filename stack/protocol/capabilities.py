@@ -73,7 +73,7 @@ def fit(request: Request, caps: Capabilities) -> Request:
             raise unsupported("response_format", "other than {\"type\": \"text\"} " + _NOT_SUPPORTED)
         if request.structured_outputs is not None:
             raise unsupported("structured_outputs", _NOT_SUPPORTED)
-    if not caps.tools:
+    if not caps.tools and (request.tools or request.tool_choice or request.parallel_tool_calls is not None):
         request = replace(request, tools=(), tool_choice=None, parallel_tool_calls=None)  # no effect on this backend
     return request
 

@@ -26,6 +26,9 @@ FIELDS: dict[Kind, frozenset[str]] = {
 }
 
 
+_ROWS = {kind: {b.name: b for b in bounds_for(kind)} for kind in FIELDS}
+
+
 def parse(kind: Kind, body: dict[str, Any], *, labels: Mapping[str, str] | None = None) -> Request:
     """Validate `body` as a `kind` request; `labels` renames fields in error messages (see Fields)."""
     f = Fields(body, labels=labels)
@@ -38,11 +41,10 @@ def parse(kind: Kind, body: dict[str, Any], *, labels: Mapping[str, str] | None 
     if options is not None and options.body and not stream:
         raise f.bad("stream_options", "only allowed when 'stream' is true.")
     sampling = _sampling(kind, f)
-    tools = parse_tools(f) if kind == "chat" else ()
+    tools = parse_tools(f) if kind == "chat" and "tools" in body else ()
     tool_choice = parse_tool_choice(f, tools) if kind == "chat" else None
-    parallel = body.get("parallel_tool_calls")
-    return Request(kind, model, messages, prompt, stream, include_usage, sampling, tools, tool_choice,
-                   None if kind == "completion" or parallel is None else f.boolean("parallel_tool_calls"),
+    parallel = None if kind == "completion" or body.get("parallel_tool_calls") is None else f.boolean("parallel_tool_calls")
+    return Request(kind, model, messages, prompt, stream, include_usage, sampling, tools, tool_choice, parallel,
                    parse_response_format(f), parse_structured_outputs(f), f.obj("kv_transfer_params"))
 
 
@@ -67,14 +69,17 @@ def parse_prompt(f: Fields) -> str | tuple[int, ...]:
 
 
 def _sampling(kind: Kind, f: Fields) -> Sampling:
-    v = {b.name: f.bounded(b) for b in bounds_for(kind)}
-    max_tokens = v.pop("max_completion_tokens", None) or v["max_tokens"]
-    if kind == "chat":
-        wants, top = v.pop("logprobs"), v.pop("top_logprobs")
+    # Only the fields the client set are read (the rest keep Sampling's "unset" defaults): this runs on every request.
+    rows = _ROWS[kind]
+    v = {name: f.bounded(rows[name]) for name, value in f.body.items() if value is not None and name in rows}
+    if "max_completion_tokens" in v:
+        v["max_tokens"] = v.pop("max_completion_tokens")
+    if kind == "chat" and ("logprobs" in v or "top_logprobs" in v):
+        wants, top = v.pop("logprobs", False), v.pop("top_logprobs", 0)
         if top and not wants:
             raise f.bad("top_logprobs", "needs 'logprobs' set to true.")
-        v["logprobs"] = (top or 0) if wants else None
-    if v["min_tokens"] is not None and max_tokens is not None and v["min_tokens"] > max_tokens:
-        raise f.bad("min_tokens", f"must be <= max_tokens ({max_tokens}), got {v['min_tokens']}.")
-    return Sampling(**{**v, "max_tokens": max_tokens, "stop": v["stop"] or (), "stop_token_ids": v["stop_token_ids"] or (),
-                       "ignore_eos": bool(v["ignore_eos"]), "logit_bias": v["logit_bias"] or ()})
+        if wants:
+            v["logprobs"] = top
+    if v.get("min_tokens") is not None and v.get("max_tokens") is not None and v["min_tokens"] > v["max_tokens"]:
+        raise f.bad("min_tokens", f"must be <= max_tokens ({v['max_tokens']}), got {v['min_tokens']}.")
+    return Sampling(**v)

@@ -51,18 +51,21 @@ def message_body(message: Message) -> dict[str, Any]:
     return body
 
 
+_SAMPLING_FIELDS = tuple(f.name for f in fields(Sampling))
+
+
 def _sampling(kind: str, sampling: Sampling) -> dict[str, Any]:
     body: dict[str, Any] = {}
-    for f in fields(sampling):
-        value = getattr(sampling, f.name)
+    for name in _SAMPLING_FIELDS:
+        value = getattr(sampling, name)
         if value is None or value == () or value is False:
             continue
-        if f.name == "logprobs" and kind == "chat":
+        if name == "logprobs" and kind == "chat":
             body |= {"logprobs": True, "top_logprobs": value}
-        elif f.name == "logit_bias":
+        elif name == "logit_bias":
             body["logit_bias"] = {str(token): bias for token, bias in value}
         else:
-            body[f.name] = list(value) if isinstance(value, tuple) else value
+            body[name] = list(value) if isinstance(value, tuple) else value
     return body
 
 

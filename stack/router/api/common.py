@@ -11,7 +11,6 @@ import contextlib
 import fnmatch
 import json
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
@@ -85,8 +84,9 @@ def engine_body(request: web.Request, req: Request) -> dict[str, Any]:
 
     Every backend is the CPU engine for now (CPU_ENGINE); per-backend capabilities are issue 10's.
     """
-    fitted = fit(req, CPU_ENGINE)
-    return to_body(replace(fitted, model=resolve_model(request, fitted.model)))
+    body = to_body(fit(req, CPU_ENGINE))
+    body["model"] = resolve_model(request, req.model)
+    return body
 
 
 class Translator(Protocol):
