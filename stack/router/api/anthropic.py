@@ -102,7 +102,7 @@ def _parse(body: dict[str, Any], max_tokens: int | None) -> Request:
     f = Fields(body)
     model = f.string("model", required=True)
     chat = _messages(f)
-    f.integer("top_k", minimum=0)  # Claude Code sends it; the engines have no top-k, and it barely changes an answer
+    f.integer("top_k", minimum=0)  # Claude Code sends it on every call: checked, not forwarded (the engines have no top-k)
     f.array("tools")
     fields = {"model": model, "messages": chat, "max_tokens": max_tokens, "stream": body.get("stream"), "tool_choice": _tool_choice(f),
               **{name: body.get(name) for name in ("temperature", "top_p", "ignore_eos")}, "stop": body.get("stop_sequences")}
