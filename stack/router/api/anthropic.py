@@ -5,6 +5,8 @@ system message; each message's text blocks are joined, `tool_result` blocks cont
 `tool_use` and thinking blocks are dropped (this model never produces them). Image and document
 blocks, and a `tool_choice` that forces a tool, are a 400. `tools`, `metadata`, `thinking`,
 `top_k` and unknown fields are accepted and ignored, because Claude Code sends them on every call.
+The translated chat request goes through the same contract parser as OpenAI's (stack.protocol),
+naming Anthropic's fields in its errors (`stop_sequences`).
 
 Streams follow Anthropic's event sequence (`message_start`, `content_block_start`, `ping`,
 `content_block_delta`…, `content_block_stop`, `message_delta`, `message_stop`) with no `[DONE]`.
@@ -22,7 +24,10 @@ from aiohttp import web
 
 from stack.common import sse
 from stack.common.errors import REQUEST_ID, APIError, InvalidRequest
-from stack.router.api.common import Params, charge, read_json, received, relay, resolve_model, sampling, upstream_body
+from stack.protocol.fields import Fields
+from stack.protocol.parse import parse
+from stack.protocol.types import Request
+from stack.router.api.common import charge, engine_body, read_json, received, relay
 from stack.router.api.openai import CHAT_PATH
 from stack.router.appkeys import PD
 from stack.router.pd import estimate_prompt_tokens
@@ -61,14 +66,14 @@ def _text(content: Any, where: str) -> str:
     return "".join(_block_text(block, f"{where}[{i}]") for i, block in enumerate(content))
 
 
-def _messages(params: Params) -> list[dict[str, str]]:
+def _messages(f: Fields) -> list[dict[str, str]]:
     result = []
-    system = params.body.get("system")
+    system = f.body.get("system")
     if system is not None:
         result.append({"role": "system", "content": _text(system, "system")})
-    messages = params.array("messages", required=True) or []
+    messages = f.array("messages", required=True) or []
     if not messages:
-        raise params.bad("messages", "must contain at least one message.")
+        raise f.bad("messages", "must contain at least one message.")
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
@@ -81,38 +86,47 @@ def _messages(params: Params) -> list[dict[str, str]]:
     return result
 
 
-def _parse(params: Params) -> list[dict[str, str]]:
-    messages = _messages(params)
-    params.integer("top_k", minimum=0)
-    params.array("tools")
-    tool_choice = params.obj("tool_choice")
-    if tool_choice is not None and tool_choice.get("type") not in ("auto", "none"):
-        raise InvalidRequest("Unsupported parameter: 'tool_choice' may only be auto or none: this model never calls tools.",
-                             param="tool_choice", code="unsupported_parameter")
-    return messages
+def _tool_choice(f: Fields) -> str | dict[str, Any] | None:
+    """Anthropic's tool_choice as OpenAI's: auto, none, any (= required), or one named tool."""
+    choice = f.obj("tool_choice")
+    if choice is None:
+        return None
+    kind = choice.get("type")
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return {"any": "required"}.get(kind, kind)
+
+
+def _parse(body: dict[str, Any], max_tokens: int | None) -> Request:
+    """A Messages body as the chat request the engines receive (Anthropic-only fields checked here)."""
+    f = Fields(body)
+    model = f.string("model", required=True)
+    chat = _messages(f)
+    f.integer("top_k", minimum=0)  # Claude Code sends it on every call: checked, not forwarded (the engines have no top-k)
+    f.array("tools")
+    fields = {"model": model, "messages": chat, "max_tokens": max_tokens, "stream": body.get("stream"), "tool_choice": _tool_choice(f),
+              **{name: body.get(name) for name in ("temperature", "top_p", "ignore_eos")}, "stop": body.get("stop_sequences")}
+    return parse("chat", fields, labels={"stop": "stop_sequences"})
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
-    params = Params(await read_json(request))
-    model = params.string("model", required=True) or ""
-    max_tokens = params.integer("max_tokens", minimum=1, required=True)
-    chat = _parse(params)
-    stream = params.boolean("stream")
-    upstream = upstream_body(resolve_model(request, model), stream, max_tokens, sampling(params, "stop_sequences"), messages=chat)
-    upstream.pop("seed", None)
-    received(request, "messages", model, stream)
+    body = await read_json(request)
+    max_tokens = Fields(body).integer("max_tokens", minimum=1, required=True)
+    req = _parse(body, max_tokens)
+    upstream = engine_body(request, req)
+    received(request, "messages", req.model, req.stream)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     pd = request.app[PD]
-    if stream:
+    if req.stream:
         estimate = estimate_prompt_tokens(upstream)
-        return await relay(request, pd.stream(request[REQUEST_ID], CHAT_PATH, upstream), _EventRelay(message_id, model, estimate))
+        return await relay(request, pd.stream(request[REQUEST_ID], CHAT_PATH, upstream), _EventRelay(message_id, req.model, estimate))
     result = await pd.complete(request[REQUEST_ID], CHAT_PATH, upstream)
     usage = result.get("usage") or {}
     charge(request, usage)
     choice = (result.get("choices") or [{}])[0]
     return web.json_response({
-        "id": message_id, "type": "message", "role": "assistant", "model": model,
+        "id": message_id, "type": "message", "role": "assistant", "model": req.model,
         "content": [{"type": "text", "text": (choice.get("message") or {}).get("content") or ""}],
         "stop_reason": _STOP_REASONS.get(choice.get("finish_reason"), "end_turn"), "stop_sequence": None,
         "usage": {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)},
@@ -122,9 +136,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
 async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens: the engines' own count (their /tokenize, as the messages request would be
     prompted), or the router's estimate (~4 characters a token) when no engine can say."""
-    params = Params(await read_json(request))
-    resolve_model(request, params.string("model", required=True) or "")
-    chat = _parse(params)
+    req = _parse(await read_json(request), None)
+    chat = engine_body(request, req)["messages"]
     counted = await request.app[PD].count_tokens(request[REQUEST_ID], {"messages": chat})
     return web.json_response({"input_tokens": counted if counted is not None else estimate_prompt_tokens({"messages": chat})})
 

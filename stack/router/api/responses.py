@@ -24,19 +24,25 @@ from aiohttp import web
 
 from stack.common import sse
 from stack.common.errors import REQUEST_ID, APIError, InvalidRequest
-from stack.router.api.common import CHAT_ROLES, Params, charge, read_json, received, relay, resolve_model, sampling, text_content, upstream_body
+from stack.protocol.capabilities import unsupported
+from stack.protocol.fields import Fields
+from stack.protocol.messages import CHAT_ROLES, text_content
+from stack.protocol.parse import parse
+from stack.protocol.types import Request
+from stack.router.api.common import charge, engine_body, read_json, received, relay
 from stack.router.api.openai import CHAT_PATH
 from stack.router.appkeys import PD
 
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+_ROLES = {"user", "assistant", "system", "developer"}
 
 
-def _messages(params: Params) -> list[dict[str, str]]:
+def _messages(f: Fields) -> list[dict[str, str]]:
     result = []
-    instructions = params.string("instructions")
+    instructions = f.string("instructions")
     if instructions:
         result.append({"role": "system", "content": instructions})
-    items = params.body.get("input")
+    items = f.body.get("input")
     if isinstance(items, str):
         return [*result, {"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
@@ -47,39 +53,41 @@ def _messages(params: Params) -> list[dict[str, str]]:
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "reasoning":
             continue
-        if kind != "message" or item.get("role") not in CHAT_ROLES:
+        if kind != "message" or item.get("role") not in _ROLES:
             raise InvalidRequest(f"Unsupported input item at '{where}' (type {kind!r}): only message items with role "
                                  "user, assistant, system or developer are supported.", param=where, code="unsupported_input")
         result.append({"role": CHAT_ROLES[item["role"]], "content": text_content(item.get("content", ""), f"{where}.content", _TEXT_PARTS)})
     return result
 
 
-def _parse(params: Params) -> list[dict[str, str]]:
-    if "input" not in params.body:
+def _parse(body: dict[str, Any]) -> Request:
+    """A Responses body as the chat request the engines receive (Responses-only fields checked here)."""
+    f = Fields(body)
+    model = f.string("model", required=True)
+    if "input" not in body:
         raise InvalidRequest("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
-    messages = _messages(params)
-    params.reject_unsupported("previous_response_id", None, "is not supported: this router stores no responses; send the whole conversation in 'input'")
-    tool_choice = params.body.get("tool_choice")
-    if tool_choice is not None and tool_choice not in ("auto", "none"):
-        raise InvalidRequest("Unsupported parameter: 'tool_choice' may only be \"auto\" or \"none\": this model never calls tools.",
-                             param="tool_choice", code="unsupported_parameter")
-    return messages
+    chat = _messages(f)
+    if body.get("previous_response_id") is not None:
+        raise unsupported("previous_response_id", "is not supported: this router stores no responses; send the whole conversation in 'input'")
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        # Responses names the function at the top level ({"type": "function", "name": …}); choosing a
+        # hosted tool ({"type": "web_search"}) forces a tool call too.
+        choice = {"type": "function", "function": {"name": choice.get("name")}} if choice.get("type") == "function" else "required"
+    fields = {"model": model, "messages": chat, "max_tokens": body.get("max_output_tokens"), "stream": body.get("stream"),
+              "tool_choice": choice, **{name: body.get(name) for name in ("temperature", "top_p", "ignore_eos")}}
+    return parse("chat", fields, labels={"max_tokens": "max_output_tokens"})
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
-    params = Params(await read_json(request))
-    model = params.string("model", required=True) or ""
-    chat = _parse(params)
-    stream = params.boolean("stream")
-    max_tokens = params.integer("max_output_tokens", minimum=1)
-    choices = sampling(params)
-    choices.update(stop=None, seed=None)  # not part of the Responses API
-    upstream = upstream_body(resolve_model(request, model), stream, max_tokens, choices, messages=chat)
-    received(request, "responses", model, stream)
-    shape = _Shape(model, params.string("instructions"), max_tokens, choices)
+    body = await read_json(request)
+    req = _parse(body)
+    upstream = engine_body(request, req)
+    received(request, "responses", req.model, req.stream)
+    shape = _Shape(req, body.get("instructions"))
     pd = request.app[PD]
-    if stream:
+    if req.stream:
         return await relay(request, pd.stream(request[REQUEST_ID], CHAT_PATH, upstream), _EventRelay(shape))
     result = await pd.complete(request[REQUEST_ID], CHAT_PATH, upstream)
     charge(request, result.get("usage"))
@@ -96,11 +104,11 @@ def _status(finish_reason: str | None) -> str:
 class _Shape:
     """Builds the Response object and its output message the way the openai SDK types expect them."""
 
-    def __init__(self, model: str, instructions: str | None, max_tokens: int | None, choices: dict[str, Any]) -> None:
+    def __init__(self, req: Request, instructions: str | None) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.item_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
-        self.model, self.instructions, self.max_tokens, self.choices = model, instructions, max_tokens, choices
+        self.model, self.sampling, self.instructions = req.model, req.sampling, instructions
 
     @staticmethod
     def part(text: str) -> dict[str, Any]:
@@ -117,9 +125,9 @@ class _Shape:
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status, "model": self.model,
             "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": self.instructions, "max_output_tokens": self.max_tokens, "output": output,
+            "instructions": self.instructions, "max_output_tokens": self.sampling.max_tokens, "output": output,
             "parallel_tool_calls": False, "previous_response_id": None, "reasoning": None, "store": False,
-            "temperature": self.choices.get("temperature"), "top_p": self.choices.get("top_p"),
+            "temperature": self.sampling.temperature, "top_p": self.sampling.top_p,
             "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [], "truncation": "disabled",
             "metadata": {}, "usage": None if usage is None else {
                 "input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
