@@ -66,7 +66,7 @@ async def read_event_batches(content: StreamReader) -> AsyncIterator[list[tuple[
     Comment lines (`:` heartbeats) are skipped; multi-line `data:` fields are joined with `\\n`
     as the SSE spec says. A final frame without its blank line is still yielded.
     Reads whatever bytes have arrived and splits lines itself: one await per network read rather
-    than one per line halves the router's per-token relay cost (see stack/router/benchmark.py).
+    than one per line halves the router's per-token relay cost (see benchmarks/router.py).
     """
     event: str | None = None
     data_lines: list[str] = []

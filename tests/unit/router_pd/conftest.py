@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import subprocess
@@ -83,9 +84,11 @@ async def pd(session: aiohttp.ClientSession) -> AsyncIterator[Callable[..., Any]
     clients: list[PDClient] = []
 
     async def build(prefills: Sequence[Any], decodes: Sequence[Any], max_concurrent: int = 8, health_check: str = "grpc",
-                    clock: Callable[[], float] = time.monotonic, kv_transfer_port: int = 0, **settings: Any) -> PDClient:
+                    clock: Callable[[], float] = time.monotonic, kv_addrs: tuple[str, ...] = (), kv_transfer_port: int = 0,
+                    **settings: Any) -> PDClient:
         settings.setdefault("health_interval_ms", 200)
-        config = RouterConfig(prefill=pool(prefills, max_concurrent, health_check), decode=pool(decodes, max_concurrent, health_check),
+        decode = dataclasses.replace(pool(decodes, max_concurrent, health_check), kv_addrs=kv_addrs)
+        config = RouterConfig(prefill=pool(prefills, max_concurrent, health_check), decode=decode,
                               scheduler=SchedulerConfig(**settings), kv_transfer_port=kv_transfer_port)
         client = PDClient(config, session, Metrics(), clock=clock)
         await client.start()

@@ -68,8 +68,10 @@ class FakeEngine:
     role: str  # prefill | decode | both
     tokens: int = 4
     nixl: bool = False  # prefill answers like vLLM NixlConnector instead of our engine
+    kv_producer: bool = True  # False: a prefill leg is answered without kv_transfer_params (an engine not set up for PD)
     faults: Faults = field(default_factory=Faults)
     seen: list[dict[str, Any]] = field(default_factory=list)
+    prefill_answers: list[dict[str, Any]] = field(default_factory=list)  # every answer to a prefill leg, as sent
     disconnects: int = 0
     serving: bool = True  # what both health endpoints say: gRPC health and vLLM-style GET /health
     kv_port: int | None = FAKE_KV_PORT  # reported on GET /health by decodes, as our engine does (None: not reported)
@@ -140,12 +142,13 @@ class FakeEngine:
         return await self._stream(request, body)
 
     def _prefill_answer(self, body: dict[str, Any], params: dict[str, Any]) -> web.Response:
-        answer = self._answer(body, "x", 1)
-        if self.nixl:
+        answer = self._answer(body, "x", 1)  # kv_transfer_params null unless a KV producer
+        if self.kv_producer and self.nixl:
             answer["kv_transfer_params"] = dict(VLLM_NIXL_PREFILL_PARAMS)
-        else:
+        elif self.kv_producer:
             answer["kv_transfer_params"] = {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": params["transfer_id"],
                                             "num_tokens": 3, "remote_host": "127.0.0.1", "remote_port": 1}
+        self.prefill_answers.append(answer)
         return web.json_response(answer)
 
     def _answer(self, body: dict[str, Any], text: str, tokens: int) -> dict[str, Any]:
