@@ -93,7 +93,7 @@ def _bare_pd_app(prefill: str, decode: str) -> web.Application:
     from stack.router.config import RouterConfig
     from stack.router.metrics import Metrics
     from stack.router.pd import PDClient
-    from stack.router.relay import new_session
+    from stack.router.upstream import new_session
     from stack.router.scheduler import SchedulerConfig
 
     client_key = web.AppKey("pd", PDClient)

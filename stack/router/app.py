@@ -29,7 +29,7 @@ from stack.router.limits import Limiter
 from stack.router.metrics import Metrics
 from stack.router.p2pnccl import Registry
 from stack.router.pd import PDClient
-from stack.router.relay import new_session
+from stack.router.upstream import new_session
 from stack.router.usage import UsageStore
 
 # Generation routes (limited, counted) and the API name each one reports in logs and metrics.

@@ -26,7 +26,7 @@ from stack.router.backends import Backend, Breaker
 from stack.router.config import RouterConfig
 from stack.router.discovery import KVAddressUnknown, KVDiscovery
 from stack.router.metrics import GaugeSample, Metrics
-from stack.router.relay import timeout
+from stack.router.upstream import timeout
 from stack.router.scheduler import Scheduler
 
 _BREAKER_STATE = {"closed": 0, "half_open": 1, "open": 2}
@@ -74,8 +74,8 @@ class HealthMonitor:
     # -- P2pNccl membership (the Registry's callbacks) -------------------------------------------------
     def join(self, role: str, url: str, zmq_address: str) -> None:
         """A registered vLLM P2pNccl instance joins its pool; its health is vLLM's GET /health."""
-        pool, scheduler = (self.config.prefill if role == "prefill" else self.config.decode), self.config.scheduler
-        breaker = Breaker(url, scheduler.breaker_failures, scheduler.breaker_cooldown_ms / 1000, self._clock)
+        pool, settings = (self.config.prefill if role == "prefill" else self.config.decode), self.config.scheduler
+        breaker = Breaker(url, settings.breaker_failures, settings.breaker_cooldown_ms / 1000, self._clock)
         self.scheduler.add_backend(Backend(url, role, pool.max_concurrent, f"{url}/health", breaker, "http",  # type: ignore[arg-type]
                                            kv_addr=zmq_address))
         if role == "decode" and not self._model_learned:

@@ -36,7 +36,7 @@ from stack.router.discovery import KVDiscovery, kv_hints
 from stack.router.handoff import Route, handoff_for
 from stack.router.metrics import Metrics
 from stack.router.monitor import HealthMonitor
-from stack.router.relay import LegFailed, exception_failure, open_stream, post_json, status_failure, timeout
+from stack.router.upstream import LegFailed, exception_failure, open_stream, post_json, status_failure, timeout
 from stack.router.scheduler import NoBackendAvailable, Scheduler
 
 
