@@ -141,7 +141,7 @@ class PDClient:
     def __init__(self, config: RouterConfig, session: aiohttp.ClientSession, metrics: Metrics,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`clock` times the backends' circuit breakers (tests pass a fake one)."""
-        s = self.config = config.scheduler
+        self.settings = s = config.scheduler
         registry = s.kv_connector == "p2pnccl"  # the pools start empty and fill as vLLM P2pNccl instances register
         self.handoff = handoff_for(s.kv_connector, colocated=not registry and is_colocated(config.prefill, config.decode))
         self.mode = "disaggregated" if self.handoff.prefill_leg else "colocated"
@@ -176,7 +176,7 @@ class PDClient:
         return self.monitor.model
 
     def health_snapshot(self) -> dict[str, Any]:
-        return {"mode": self.mode, "kv_connector": self.handoff.kind, "policy": self.config.policy,
+        return {"mode": self.mode, "kv_connector": self.handoff.kind, "policy": self.settings.policy,
                 "queue_depth": self.scheduler.queue_depth, "backends": [b.snapshot() for b in self.scheduler.backends]}
 
     async def count_tokens(self, request_id: str, prompt: dict[str, Any]) -> int | None:
@@ -198,7 +198,7 @@ class PDClient:
     # -- the flow: pick, prefill leg, decode leg, relay -------------------------------------------------
     async def complete(self, request_id: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """Run a non-streamed request; the decode engine's JSON answer (with usage)."""
-        job = _Job.make(request_id, path, body, False, self.config.default_max_tokens)
+        job = _Job.make(request_id, path, body, False, self.settings.default_max_tokens)
         leg = await self._run(job)
         self.scheduler.release(leg.decode, job.decode_tokens)
         answer = leg.answer or {}
@@ -210,7 +210,7 @@ class PDClient:
         yielded its first chunk."""
         tried: set[Backend] = set()
         last_failure: LegFailed | None = None
-        for attempt in range(1, self.config.max_retries + 2):
+        for attempt in range(1, self.settings.max_retries + 2):
             try:
                 decode = await self.scheduler.acquire("decode", job.decode_tokens, tried)
             except NoBackendAvailable:
@@ -223,11 +223,11 @@ class PDClient:
                 else:
                     route, kv_params = self.handoff.route(job.request_id, decode, decode), None
                     log_event(events.ROUTER_SCHEDULED, f"colocated on {decode.url}", request_id=job.request_id, prefill=decode.url,
-                              decode=decode.url, policy=self.config.policy, mode=self.mode, attempt=attempt)
+                              decode=decode.url, policy=self.settings.policy, mode=self.mode, attempt=attempt)
                 return await self._decode(job, decode, kv_params, route.request_id)
             except LegFailed as failure:
                 self.scheduler.release(decode, job.decode_tokens)
-                self._decode_failed(job, decode, failure, mid_stream=False, retried=failure.retryable and attempt <= self.config.max_retries)
+                self._decode_failed(job, decode, failure, mid_stream=False, retried=failure.retryable and attempt <= self.settings.max_retries)
                 if not failure.retryable:
                     raise failure.error from None
                 tried.add(decode)
@@ -243,7 +243,7 @@ class PDClient:
         """2. The prefill leg, retried on other prefills; the route both legs follow and what decode gets."""
         tried: set[Backend] = set()
         last_failure: LegFailed | None = None
-        for tries in range(1, self.config.max_retries + 2):
+        for tries in range(1, self.settings.max_retries + 2):
             try:
                 prefill = await self.scheduler.acquire("prefill", job.prompt_tokens, tried)
             except NoBackendAvailable:
@@ -252,14 +252,14 @@ class PDClient:
                 break
             route = self.handoff.route(job.request_id, prefill, decode)
             log_event(events.ROUTER_SCHEDULED, f"prefill {prefill.url} → decode {decode.url}", request_id=job.request_id,
-                      prefill=prefill.url, decode=decode.url, policy=self.config.policy, mode=self.mode, attempt=attempt, prefill_attempt=tries)
+                      prefill=prefill.url, decode=decode.url, policy=self.settings.policy, mode=self.mode, attempt=attempt, prefill_attempt=tries)
             started = time.perf_counter()
             try:
                 answer = await post_json(self.session, prefill, job.path, job.prefill_body(route.prefill_params), route.request_id,
                                          self._timeouts["prefill"])
             except LegFailed as failure:
                 self._failed(prefill, failure)
-                retried = failure.retryable and tries <= self.config.max_retries
+                retried = failure.retryable and tries <= self.settings.max_retries
                 log_event(events.ROUTER_PREFILL_FAILED, f"prefill {prefill.url} failed: {failure.error.message}", "WARNING",
                           request_id=job.request_id, prefill=prefill.url, status=failure.status, error=failure.error.message,
                           attempt=tries, retried=retried)
@@ -332,7 +332,7 @@ class PDClient:
         """4. Relay: yield the decode engine's chunks as dicts, in batches: the chunks of one network read, so the
         API writes them in one send (a burst, or a router running behind, costs one send, not one per token).
         Always ends with a usage chunk (see module doc)."""
-        job = _Job.make(request_id, path, body, True, self.config.default_max_tokens)
+        job = _Job.make(request_id, path, body, True, self.settings.default_max_tokens)
         leg = await self._run(job)
         decode, response, batches = leg.decode, leg.response, leg.batches
         assert response is not None and batches is not None and leg.first is not None, "stream leg opened without a first chunk"
@@ -416,7 +416,7 @@ class PDClient:
             backend.breaker.on_success()  # the engine answered properly; the request itself was bad
             return
         backend.breaker.on_failure()
-        if failure.unreachable and self.config.health_interval_ms:
+        if failure.unreachable and self.settings.health_interval_ms:
             self.scheduler.mark(backend, False, "connect failed")  # the health monitor brings it back when SERVING
 
     def _succeeded(self, backend: Backend) -> None:
