@@ -69,6 +69,10 @@ ROUTER_CLIENT_DISCONNECTED = "router.client_disconnected"  # upstream requests c
 ROUTER_REQUEST_DONE = "router.request_done"  # status, prompt_tokens, completion_tokens, e2e_ms
 BACKEND_HEALTH = "backend.health"  # backend, role, state (up|down), was
 BACKEND_CIRCUIT = "backend.circuit"  # backend, state (open|half_open|closed), failures
+BACKEND_KV_ADDR = "backend.kv_addr"  # backend, kv_addr, reported_by: a decode's KV address, learned from its GET /health
+# ERROR: a KV port the router was given disagrees with the one decode reports (which is used): backend, kv_addr,
+# reported_port, reported_by ("GET <url>/health"), configured_port, configured_by (KV_TRANSFER_PORT | decode.kv_addrs[i] in <file>)
+ROUTER_KV_PORT_MISMATCH = "router.kv_port_mismatch"
 P2PNCCL_JOINED = "p2pnccl.joined"  # a vLLM P2pNccl instance registered: role, backend, zmq_address
 P2PNCCL_LEFT = "p2pnccl.left"  # it stopped pinging and was removed: role, backend, zmq_address
 P2PNCCL_BAD_PING = "p2pnccl.bad_ping"  # a registration that is not vLLM's format (logged once per sender): sender, error

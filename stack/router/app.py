@@ -29,7 +29,7 @@ from stack.router.limits import Limiter
 from stack.router.metrics import Metrics
 from stack.router.p2pnccl import Registry
 from stack.router.pd import PDClient
-from stack.router.relay import new_session
+from stack.router.upstream import new_session
 from stack.router.usage import UsageStore
 
 # Generation routes (limited, counted) and the API name each one reports in logs and metrics.
@@ -169,13 +169,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     # One tuned session (no connection cap, no total timeout: the PD client sets per-leg timeouts).
     async with new_session() as session:
         registry = app.get(REGISTRY)
-        pd = PDClient(config.prefill, config.decode, config.scheduler, session, app[METRICS], model_id=config.taotoken.model_id,
-                      registry=registry is not None)
+        pd = PDClient(config, session, app[METRICS])
         app[PD] = pd
         try:
             await pd.start()
             if registry is not None:
-                registry.start(pd.add_backend, pd.remove_backend)
+                registry.start(pd.monitor.join, pd.monitor.leave)
             yield
         finally:
             writer.cancel()

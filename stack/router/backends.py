@@ -1,8 +1,8 @@
 """Backends as the router sees them: a pool config per role, per-backend load and health, breakers.
 
 A `Backend` is one engine endpoint in one role. The router keeps its own accounting (requests in
-flight, outstanding tokens) because it is the only one sending work there; the gRPC health
-monitor (pd.py) and request outcomes decide whether it is `up` and what its breaker allows.
+flight, outstanding tokens) because it is the only one sending work there; the health monitor
+(monitor.py) and request outcomes decide whether it is `up` and what its breaker allows.
 
     closed ──N consecutive failures──▶ open ──cool-down──▶ half_open ──success──▶ closed
                                          ▲                     │
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
@@ -21,11 +22,23 @@ from stack.common import events
 from stack.common.config import check
 from stack.common.logging import log_event
 
-DEFAULT_KV_PORT = 9100
 DEFAULT_HEALTH_PORT = 50051
 HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")  # host:port, [v6]:port
+HOST = re.compile(r"^([A-Za-z0-9_.\-]+|\[[0-9A-Fa-f:.]+\])$")  # a name, an IPv4 address or [v6]
 
 Role = Literal["prefill", "decode", "both"]
+
+
+def split_addr(addr: str) -> tuple[str, int | None]:
+    """("decode", 9200) from "decode:9200", ("[fd00::5]", None) from "[fd00::5]"; ValueError for a port out of range."""
+    parts = urlsplit(f"//{addr}")
+    port = parts.port
+    return (parts.netloc.rsplit(":", 1)[0], port) if port is not None else (parts.netloc, None)
+
+
+def url_host(url: str) -> str:
+    """The host of an endpoint URL as it goes before ":port" (IPv6 keeps its brackets)."""
+    return split_addr(urlsplit(url).netloc)[0]
 
 
 def _check_url(url: str, key: str) -> None:
@@ -42,7 +55,10 @@ class PoolConfig:
     endpoint: str = ""  # the article's single endpoint ("http://10.0.0.11:8000")
     endpoints: tuple[str, ...] = ()  # xPyD: several endpoints (merged with `endpoint`, order kept)
     max_concurrent: int = 32  # requests in flight per backend; more wait in the router's queue
-    kv_addrs: tuple[str, ...] = ()  # decode only: KV receive address per endpoint (default host:9100)
+    # decode only, with kv_connector "pd-push": the host (or host:port) prefill pushes KV to, per endpoint, when the KV
+    # network names decode differently; default: the endpoint's host. The port is always the one decode reports on its
+    # GET /health (discovery.py); a port given here is only checked against it.
+    kv_addrs: tuple[str, ...] = ()
     health_addrs: tuple[str, ...] = ()  # gRPC health address per endpoint (default host:50051)
     health_check: Literal["grpc", "http"] = "grpc"  # our engines serve gRPC health; vLLM serves GET /health
 
@@ -54,21 +70,25 @@ class PoolConfig:
             addrs = getattr(self, name)
             check(not addrs or len(addrs) == len(self.urls), name,
                   f"needs one address per endpoint ({len(self.urls)}), got {len(addrs)}")
-            for i, addr in enumerate(addrs):
-                check(bool(HOST_PORT.match(addr)), f"{name}[{i}]", f"must be host:port, got {addr!r}")
+        for i, addr in enumerate(self.health_addrs):
+            check(bool(HOST_PORT.match(addr)), f"health_addrs[{i}]", f"must be host:port, got {addr!r}")
+        for i, addr in enumerate(self.kv_addrs):
+            check(bool(HOST.match(addr) or HOST_PORT.match(addr)), f"kv_addrs[{i}]", f"must be host or host:port, got {addr!r}")
+            try:
+                port = split_addr(addr)[1]
+            except ValueError:
+                port = 0
+            check(port != 0, f"kv_addrs[{i}]", f"port must be 1..65535, got {addr!r}")
 
     @property
     def urls(self) -> tuple[str, ...]:
         merged = ((self.endpoint,) if self.endpoint else ()) + self.endpoints
         return tuple(dict.fromkeys(url.rstrip("/") for url in merged))
 
-    def kv_addr(self, index: int) -> str:
-        return self.kv_addrs[index] if self.kv_addrs else f"{urlsplit(self.urls[index]).hostname}:{DEFAULT_KV_PORT}"
-
     def health_addr(self, index: int) -> str:
         if self.health_check == "http":
             return f"{self.urls[index]}/health"
-        return self.health_addrs[index] if self.health_addrs else f"{urlsplit(self.urls[index]).hostname}:{DEFAULT_HEALTH_PORT}"
+        return self.health_addrs[index] if self.health_addrs else f"{url_host(self.urls[index])}:{DEFAULT_HEALTH_PORT}"
 
 
 def check_topology(prefill: PoolConfig, decode: PoolConfig) -> None:
@@ -85,12 +105,13 @@ def is_colocated(prefill: PoolConfig, decode: PoolConfig) -> bool:
 
 
 class Breaker:
-    """Consecutive-failure circuit breaker for one backend (see the module diagram)."""
+    """Consecutive-failure circuit breaker for one backend (see the module diagram); `clock` is injectable for tests."""
 
-    def __init__(self, backend: str, threshold: int, cooldown_s: float) -> None:
+    def __init__(self, backend: str, threshold: int, cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.backend = backend
         self.threshold = threshold
         self.cooldown_s = cooldown_s
+        self._clock = clock
         self.state: Literal["closed", "open", "half_open"] = "closed"
         self.failures = 0
         self.opened_at = 0.0
@@ -104,14 +125,14 @@ class Breaker:
 
     def allows(self) -> bool:
         """May a new request go to this backend now? Moves open → half_open after the cool-down."""
-        if self.state == "open" and time.monotonic() - self.opened_at >= self.cooldown_s:
+        if self.state == "open" and self._clock() - self.opened_at >= self.cooldown_s:
             self._move("half_open")
         if self.state == "half_open":
             return not self.trial_in_flight
         return self.state == "closed"
 
     def retry_after_s(self) -> float:
-        return max(0.0, self.cooldown_s - (time.monotonic() - self.opened_at)) if self.state == "open" else 0.0
+        return max(0.0, self.cooldown_s - (self._clock() - self.opened_at)) if self.state == "open" else 0.0
 
     def on_start(self) -> None:
         if self.state == "half_open":
@@ -126,18 +147,19 @@ class Breaker:
         self.failures += 1
         self.trial_in_flight = False
         if self.state == "half_open" or self.failures >= self.threshold:
-            self.opened_at = time.monotonic()
+            self.opened_at = self._clock()
             self._move("open")
 
 
 class Backend:
     """One engine endpoint in one role, with the router's own load accounting."""
 
-    def __init__(self, url: str, role: Role, max_concurrent: int, kv_addr: str, health_addr: str, breaker: Breaker,
-                 health_check: str = "grpc") -> None:
+    def __init__(self, url: str, role: Role, max_concurrent: int, health_addr: str, breaker: Breaker,
+                 health_check: str = "grpc", kv_addr: str | None = None) -> None:
         self.url = url
         self.role = role
         self.max_concurrent = max_concurrent
+        # Where the KV goes: learned from decode's GET /health (pd-push), or the zmq address a P2pNccl instance registered.
         self.kv_addr = kv_addr
         self.health_addr = health_addr
         self.health_check = health_check
@@ -185,14 +207,16 @@ class Backend:
             "role": self.role, "url": self.url, "state": "up" if self.up else "down",
             "in_flight": self.in_flight, "max_concurrent": self.max_concurrent,
             "outstanding_tokens": self.outstanding_tokens, "breaker": self.breaker.state,
-            "health_addr": self.health_addr, **({"kv_addr": self.kv_addr} if self.role == "decode" else {}),
+            "health_addr": self.health_addr, **({"kv_addr": self.kv_addr} if self.kv_addr else {}),
         }
 
 
-def build_pool(config: PoolConfig, role: Role, breaker_threshold: int, breaker_cooldown_s: float) -> list[Backend]:
+def build_pool(config: PoolConfig, role: Role, breaker_threshold: int, breaker_cooldown_s: float,
+               clock: Callable[[], float] = time.monotonic) -> list[Backend]:
+    """The configured endpoints of one role (KV addresses are learned later, see discovery.py)."""
     return [
-        Backend(url, role, config.max_concurrent, config.kv_addr(i), config.health_addr(i),
-                Breaker(url, breaker_threshold, breaker_cooldown_s), config.health_check)
+        Backend(url, role, config.max_concurrent, config.health_addr(i), Breaker(url, breaker_threshold, breaker_cooldown_s, clock),
+                config.health_check)
         for i, url in enumerate(config.urls)
     ]
 

@@ -4,15 +4,17 @@
     [taotoken]  base_url, api_key_env, model_id
     [prefill]   endpoint | endpoints, max_concurrent, health_addrs            (PoolConfig)
     [decode]    endpoint | endpoints, max_concurrent, kv_addrs, health_addrs  (PoolConfig)
-    [scheduler] policy, kv_transfer_timeout_ms, …                             (SchedulerConfig)
+    [scheduler] policy, kv_connector, kv_transfer_timeout_ms, …               (SchedulerConfig)
     [auth]      keys_file: optional TOML/JSON naming more keys (by env var) with their own limits
     [limits]    rpm, tpm, max_concurrent, token_quota: per-key defaults, 0 = unlimited
     [usage]     db_path: the SQLite file holding per-key usage across restarts
     [p2pnccl]   registry_port, instance_ttl_ms: vLLM P2pNccl engines register themselves (P2pNcclConfig)
 
-`PREFILL_ENDPOINT`, `DECODE_ENDPOINT` and `KV_TRANSFER_PORT` in the environment override the file
-(the article's .env); so do `BACKEND_HEALTH_CHECK` and `P2PNCCL_REGISTRY_PORT` (the GPU overlays). Keys never live in these files: a value that looks like a secret stops
-start-up with a message naming the env var to use instead.
+`PREFILL_ENDPOINT` and `DECODE_ENDPOINT` in the environment override the file (the article's
+.env); so do `BACKEND_HEALTH_CHECK`, `KV_CONNECTOR` and `P2PNCCL_REGISTRY_PORT` (the GPU overlays).
+`KV_TRANSFER_PORT` sets nothing here: decode reports its KV port on GET /health, and the router
+only checks the variable against that (discovery.py). Keys never live in these files: a value
+that looks like a secret stops start-up with a message naming the env var to use instead.
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from stack.common.config import ConfigError, build, check, read_file
-from stack.router.backends import PoolConfig
+from stack.router.backends import PoolConfig, check_topology
 from stack.router.p2pnccl import P2pNcclConfig
 from stack.router.scheduler import SchedulerConfig
 
-DEFAULT_KV_TRANSFER_PORT = 9100
+_KV_CONNECTORS = ("pd-push", "nixl", "p2pnccl")
+_NOT_SETTINGS = ("source", "kv_transfer_port")  # RouterConfig fields load() fills in
 
 # Key names whose values would be secrets, and value shapes that are keys whatever the name.
 _SECRET_NAME = re.compile(r"(^|_)(api_?key|secret|token|password|passwd)$", re.IGNORECASE)
@@ -108,6 +110,7 @@ class RouterConfig:
     usage: UsageConfig = field(default_factory=UsageConfig)
     p2pnccl: P2pNcclConfig = field(default_factory=P2pNcclConfig)
     source: str = "<defaults>"  # the file this came from (set by load(); not a settings key)
+    kv_transfer_port: int = 0  # KV_TRANSFER_PORT, checked against the port decode reports (set by load(); 0 = not given)
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,13 @@ def _with_env_overrides(data: dict[str, Any], env: Mapping[str, str], file: str)
             endpoints = [e.strip() for e in env[var].split(",") if e.strip()]
             section.pop("endpoint", None)
             section["endpoints"] = endpoints
+    connector = env.get("KV_CONNECTOR", "").strip()
+    if connector:  # the GPU overlays' vLLM engines hand KV over their own way
+        if connector not in _KV_CONNECTORS:
+            raise ConfigError("environment", "KV_CONNECTOR", f"must be one of {', '.join(_KV_CONNECTORS)}, got {connector!r}")
+        section = data.setdefault("scheduler", {})
+        if isinstance(section, dict):
+            section["kv_connector"] = connector
     health_check = env.get("BACKEND_HEALTH_CHECK", "").strip()
     if health_check:  # the GPU overlay's vLLM engines answer GET /health, not gRPC health
         if health_check not in ("grpc", "http"):
@@ -188,22 +198,35 @@ def _with_env_overrides(data: dict[str, Any], env: Mapping[str, str], file: str)
         section = data.setdefault("p2pnccl", {})
         if isinstance(section, dict):
             section["registry_port"] = int(registry_text)
-    port_text = env.get("KV_TRANSFER_PORT", "").strip()
-    if port_text:
-        if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-            raise ConfigError("environment", "KV_TRANSFER_PORT", f"must be a port number 1..65535, got {port_text!r}")
-        decode = data.setdefault("decode", {})
-        if isinstance(decode, dict) and decode.get("kv_addrs"):
-            decode["kv_addrs"] = [f"{str(addr).rsplit(':', 1)[0]}:{port_text}" for addr in decode["kv_addrs"]]
     return data
 
 
-def _default_kv_addrs(decode: PoolConfig, env: Mapping[str, str]) -> PoolConfig:
-    """Decode KV addresses default to each decode host with KV_TRANSFER_PORT (9100)."""
-    if decode.kv_addrs:
-        return decode
-    port = int(env.get("KV_TRANSFER_PORT", "").strip() or DEFAULT_KV_TRANSFER_PORT)
-    return dataclasses.replace(decode, kv_addrs=tuple(f"{urlsplit(url).hostname}:{port}" for url in decode.urls))
+def _kv_transfer_port(env: Mapping[str, str]) -> int:
+    text = env.get("KV_TRANSFER_PORT", "").strip()
+    if text and (not text.isdigit() or not 0 < int(text) < 65536):
+        raise ConfigError("environment", "KV_TRANSFER_PORT", f"must be a port number 1..65535, got {text!r}")
+    return int(text or 0)
+
+
+def _check_handoff(config: RouterConfig, file: str) -> None:
+    """kv_connector, the registry and the endpoints agree (handoff.py says what each kind needs)."""
+    connector, registry_port = config.scheduler.kv_connector, config.p2pnccl.registry_port
+    if connector == "p2pnccl" and not registry_port:
+        raise ConfigError(file, "scheduler.kv_connector", "is 'p2pnccl', but p2pnccl.registry_port (or P2PNCCL_REGISTRY_PORT) is not "
+                          "set: vLLM P2pNccl engines register with the router on that port (their proxy_port)")
+    if registry_port and connector != "p2pnccl":
+        raise ConfigError(file, "p2pnccl.registry_port", f"is set, but scheduler.kv_connector is {connector!r}: set kv_connector = "
+                          "\"p2pnccl\" (or KV_CONNECTOR=p2pnccl) to route through the engines that register")
+    if connector == "p2pnccl":
+        return  # the pools are whoever registers; the configured endpoints are ignored
+    for side in ("prefill", "decode"):
+        pool: PoolConfig = getattr(config, side)
+        if not pool.urls:
+            raise ConfigError(file, f"{side}.endpoint", f"no endpoint: set {side}.endpoint (or {side}.endpoints) or {side.upper()}_ENDPOINT")
+    try:
+        check_topology(config.prefill, config.decode)
+    except ConfigError as exc:
+        raise ConfigError(file, exc.key, exc.problem) from None
 
 
 def load(path: str | Path, env: Mapping[str, str] | None = None) -> RouterConfig:
@@ -215,14 +238,12 @@ def load(path: str | Path, env: Mapping[str, str] | None = None) -> RouterConfig
     named = taotoken.get("api_key_env") if isinstance(taotoken, dict) else None
     env_hint = named if isinstance(named, str) and named else TaotokenConfig.api_key_env
     _reject_secrets(data, file, env_hint)
-    if "source" in data:
-        raise ConfigError(file, "source", "unknown key")
+    for key in _NOT_SETTINGS:
+        if key in data:
+            raise ConfigError(file, key, "unknown key")
     config = build(RouterConfig, _with_env_overrides(data, env, file), file)
-    for side in ("prefill", "decode"):
-        pool: PoolConfig = getattr(config, side)
-        if not pool.urls and not config.p2pnccl.registry_port:  # with a registry, engines announce themselves
-            raise ConfigError(file, f"{side}.endpoint", f"no endpoint: set {side}.endpoint (or {side}.endpoints) or {side.upper()}_ENDPOINT")
-    return dataclasses.replace(config, decode=_default_kv_addrs(config.decode, env), source=file)
+    _check_handoff(config, file)
+    return dataclasses.replace(config, source=file, kv_transfer_port=_kv_transfer_port(env))
 
 
 def load_keys_file(config: RouterConfig) -> KeysFile:

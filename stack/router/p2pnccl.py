@@ -8,11 +8,12 @@ zmq_address) to that port and sends, every 3 s,
 
     msgpack {"type": "P" | "D", "http_address": "ip:http_port", "zmq_address": "ip:kv_port"}
 
-The router binds the ROUTER end (`[p2pnccl] registry_port`), adds each new instance to the prefill
-or decode pool and drops one that has not pinged for `instance_ttl_ms` (vLLM's proxy: 5 s).
+The router binds the ROUTER end (`[p2pnccl] registry_port`, with `[scheduler] kv_connector =
+"p2pnccl"`), adds each new instance to the prefill or decode pool (monitor.py `join`) and drops one
+that has not pinged for `instance_ttl_ms` (vLLM's proxy: 5 s).
 
-The PD flow then differs from the kv_transfer_params one (pd.py): both legs carry the request id
-that tells the engines where the KV goes (`leg_request_id`), the prefill leg has no
+The hand-off (handoff.py `P2pNccl`) then differs from the kv_transfer_params ones: both legs carry
+the request id that tells the engines where the KV goes (`leg_request_id`), the prefill leg has no
 kv_transfer_params and the decode leg is the client's request as is.
 """
 

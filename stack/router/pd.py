@@ -1,15 +1,18 @@
-"""The PD flow: pick a decode then a prefill, run the prefill leg, hand its KV params to decode, relay.
+"""The PD flow, top to bottom as vLLM's toy proxy reads: pick, prefill leg, decode leg, relay.
 
     complete(): decode answers one JSON body          stream(): decode's SSE chunks, yielded as lists of dicts
-    attempt n: D = acquire(decode)  ─▶ P = acquire(prefill) ─▶ POST P {max_tokens: 1, kv_transfer_params…}
-               (prefill failure: another P, same D)  ─▶ POST D {original, kv_transfer_params from P}
-               (decode failure before its first chunk: a new pair, n+1)
+    _run, attempt n:   1. pick D = acquire(decode)
+    _prefill:          2. pick P = acquire(prefill); POST P {max_tokens: 1, stream: false, the hand-off's kv_transfer_params}
+                          (prefill failure: another P, same D)
+    _decode:           3. POST D {the client's request, what P's answer hands on}; wait for its first chunk
+                          (decode failure before its first chunk: a new pair, attempt n+1)
+    stream:            4. relay D's chunks; a failure after the first chunk is raised to the caller, who ends the
+                          client's stream in-band. A stream that ends without a finish_reason and `[DONE]` is an
+                          error, never a silent truncation.
 
-Colocated (prefill endpoints == decode endpoints) sends one plain request. With vLLM P2pNccl
-engines (`registry=True`, p2pnccl.py) the pools are the instances that registered, and the KV route
-travels in the legs' request id instead of kv_transfer_params. Failures after the
-first chunk was yielded are raised to the caller, who ends the client's stream in-band. A stream
-that ends without a finish_reason and `[DONE]` is an error, never a silent truncation.
+What the legs carry, and which request id, is the hand-off's business (handoff.py: our KV push,
+vLLM NIXL, vLLM P2pNccl, or colocated, which has no prefill leg). Which backends are up and where
+decode takes KV is the health monitor's (monitor.py); slots and the wait queue the scheduler's.
 """
 
 from __future__ import annotations
@@ -17,26 +20,24 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from loguru import logger
 
 from stack.common import events
 from stack.common.errors import REQUEST_ID_HEADER, UpstreamError
-from stack.common.health import NOT_SERVING, SERVING, TIMEOUT, UNREACHABLE, probe_async
 from stack.common.logging import log_event
 from stack.common.sse import DONE, read_event_batches
-from stack.router.backends import Backend, Breaker, PoolConfig, build_pool, check_topology, is_colocated
-from stack.router.metrics import GaugeSample, Metrics
-from stack.router.p2pnccl import leg_request_id
-from stack.router.relay import LegFailed, exception_failure, open_stream, post_json, status_failure, timeout
-from stack.router.scheduler import NoBackendAvailable, Scheduler, SchedulerConfig
-
-_BREAKER_STATE = {"closed": 0, "half_open": 1, "open": 2}
+from stack.router.backends import Backend, build_pool, is_colocated
+from stack.router.config import RouterConfig
+from stack.router.discovery import KVDiscovery, kv_hints
+from stack.router.handoff import Route, handoff_for
+from stack.router.metrics import Metrics
+from stack.router.monitor import HealthMonitor
+from stack.router.upstream import LegFailed, exception_failure, open_stream, post_json, status_failure, timeout
+from stack.router.scheduler import NoBackendAvailable, Scheduler
 
 
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:
@@ -75,6 +76,7 @@ class _Job:
         return self.prompt_tokens + self.max_tokens
 
     def prefill_body(self, kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+        """One token, not streamed (vLLM's toy proxy: min_tokens and stream_options are not for prefill)."""
         body = {k: v for k, v in self.body.items() if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
         body.update(stream=False, max_tokens=1)
         if "max_completion_tokens" in body:
@@ -83,7 +85,8 @@ class _Job:
             body["kv_transfer_params"] = kv_transfer_params
         return body
 
-    def decode_body(self, kv_params: dict[str, Any] | None) -> dict[str, Any]:
+    def decode_body(self, kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+        """The client's request; streams always ask for usage (the router counts tokens from it)."""
         body = dict(self.body)
         if self.stream:
             body["stream"] = True
@@ -91,16 +94,9 @@ class _Job:
         else:
             body["stream"] = False
             body.pop("stream_options", None)
-        if kv_params is not None:
-            body["kv_transfer_params"] = kv_params
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
         return body
-
-
-def _push_params(transfer_id: str, decode_kv_addr: str) -> dict[str, Any]:
-    """The prefill leg's kv_transfer_params. Ours: transfer_id + decode_kv_addr (push). vLLM NixlConnector:
-    the None fields, as its toy proxy sends them."""
-    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id, "decode_kv_addr": decode_kv_addr,
-            "remote_engine_id": None, "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
 @dataclass
@@ -142,130 +138,51 @@ class _Tally:
 class PDClient:
     """Runs client requests over the prefill and decode pools (see the module docstring)."""
 
-    def __init__(self, prefill: PoolConfig, decode: PoolConfig, scheduler: SchedulerConfig, session: aiohttp.ClientSession,
-                 metrics: Metrics, model_id: str = "", registry: bool = False) -> None:
-        """`registry`: the pools start empty and fill as vLLM P2pNccl instances register (add_backend)."""
-        if not registry:
-            check_topology(prefill, decode)
-        self.config = scheduler
-        self.p2pnccl = registry
-        self.colocated = not registry and is_colocated(prefill, decode)
-        self.mode = "colocated" if self.colocated else "disaggregated"
-        self._pool_configs = {"prefill": prefill, "decode": decode}
-        threshold, cooldown = scheduler.breaker_failures, scheduler.breaker_cooldown_ms / 1000
-        pools = {"decode": [] if registry else build_pool(decode, "both" if self.colocated else "decode", threshold, cooldown)}
-        if not self.colocated:
-            pools["prefill"] = [] if registry else build_pool(prefill, "prefill", threshold, cooldown)
-        self.backends: list[Backend] = [b for pool in pools.values() for b in pool]
-        self._background: set[asyncio.Task[None]] = set()
-        self.scheduler = Scheduler(scheduler, pools)
+    def __init__(self, config: RouterConfig, session: aiohttp.ClientSession, metrics: Metrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock` times the backends' circuit breakers (tests pass a fake one)."""
+        self.settings = s = config.scheduler
+        registry = s.kv_connector == "p2pnccl"  # the pools start empty and fill as vLLM P2pNccl instances register
+        self.handoff = handoff_for(s.kv_connector, colocated=not registry and is_colocated(config.prefill, config.decode))
+        self.mode = "disaggregated" if self.handoff.prefill_leg else "colocated"
+        threshold, cooldown = s.breaker_failures, s.breaker_cooldown_ms / 1000
+        pools = {"decode": [] if registry else build_pool(config.decode, "decode" if self.handoff.prefill_leg else "both",
+                                                           threshold, cooldown, clock)}
+        if self.handoff.prefill_leg:
+            pools["prefill"] = [] if registry else build_pool(config.prefill, "prefill", threshold, cooldown, clock)
+        self.scheduler = Scheduler(s, pools)
         self.session = session
         self.metrics = metrics
-        self.backend_model = model_id
-        self._model_learned = False
-        self._monitor: asyncio.Task[None] | None = None
+        kv = (KVDiscovery(session, kv_hints(config.decode, config.kv_transfer_port, config.source), timeout(s.connect_timeout_ms, 5000))
+              if self.handoff.discovers_kv_addr else None)
+        self.monitor = HealthMonitor(config, self.scheduler, session, metrics, kv, clock)
         self._timeouts = {
-            "prefill": timeout(scheduler.connect_timeout_ms, scheduler.prefill_timeout_ms),
-            "decode_json": timeout(scheduler.connect_timeout_ms, scheduler.request_timeout_ms),
-            "decode_stream": timeout(scheduler.connect_timeout_ms, scheduler.request_timeout_ms, scheduler.idle_timeout_ms),
-            "tokenize": timeout(scheduler.connect_timeout_ms, scheduler.first_token_timeout_ms),
+            "prefill": timeout(s.connect_timeout_ms, s.prefill_timeout_ms),
+            "decode_json": timeout(s.connect_timeout_ms, s.request_timeout_ms),
+            "decode_stream": timeout(s.connect_timeout_ms, s.request_timeout_ms, s.idle_timeout_ms),
+            "tokenize": timeout(s.connect_timeout_ms, s.first_token_timeout_ms),
         }
-        self._first_chunk_s = (scheduler.kv_transfer_timeout_ms + scheduler.first_token_timeout_ms) / 1000
-        metrics.add_gauges({
-            "pd_router_backend_up": "1 if the backend's gRPC health is SERVING (as last probed).",
-            "pd_router_backend_in_flight": "Requests the router has in flight on the backend.",
-            "pd_router_backend_outstanding_tokens": "Prompt + max tokens the router has outstanding on the backend.",
-            "pd_router_backend_circuit": "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
-            "pd_router_queue_depth": "Requests waiting for a backend slot.",
-        }, self._gauges)
+        self._first_chunk_s = (s.kv_transfer_timeout_ms + s.first_token_timeout_ms) / 1000
 
-    # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Probe health once (so the first requests see real states), learn the model id, start the monitor."""
-        if self.config.health_interval_ms:
-            await self._probe_all()
-            self._monitor = asyncio.create_task(self._monitor_loop(), name="pd-health-monitor")
-        await self._learn_model()
-
-    def add_backend(self, role: str, url: str, zmq_address: str) -> None:
-        """A registered vLLM P2pNccl instance joins its pool; its health is vLLM's GET /health."""
-        pool = self._pool_configs[role]
-        breaker = Breaker(url, self.config.breaker_failures, self.config.breaker_cooldown_ms / 1000)
-        backend = Backend(url, role, pool.max_concurrent, zmq_address, f"{url}/health", breaker, "http")  # type: ignore[arg-type]
-        self.scheduler.pools[role].append(backend)
-        self.backends.append(backend)
-        self.scheduler.wake_all(role)
-        if role == "decode" and not self._model_learned:
-            task = asyncio.get_running_loop().create_task(self._learn_model())
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-    def remove_backend(self, url: str) -> None:
-        """A registered instance left: no new requests go there (those in flight finish or fail on their own)."""
-        for pool in self.scheduler.pools.values():
-            pool[:] = [b for b in pool if b.url != url]
-        self.backends[:] = [b for b in self.backends if b.url != url]
+        await self.monitor.start()
 
     async def close(self) -> None:
-        for task in list(self._background):
-            task.cancel()
-        if self._monitor is not None:
-            self._monitor.cancel()
-            await asyncio.gather(self._monitor, return_exceptions=True)
-            self._monitor = None
+        await self.monitor.close()
 
-    async def _monitor_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.health_interval_ms / 1000)
-            try:
-                await self._probe_all()
-            except Exception:  # noqa: BLE001 - a probe bug must not silently end health checking
-                logger.opt(exception=True).error("backend health round failed; retrying next interval")
+    @property
+    def backend_model(self) -> str:
+        """The engines' model id (what the API handlers name upstream and in /v1/models)."""
+        return self.monitor.model
 
-    async def _probe_all(self) -> None:
-        probe_timeout = min(2.0, max(0.2, self.config.health_interval_ms / 1000))
-        backends = list(self.backends)  # P2pNccl instances may join or leave while the probes run
-        states = await asyncio.gather(*(self._probe(b, probe_timeout) for b in backends))
-        changed = False
-        for backend, state in zip(backends, states):
-            backend.probe_timeouts = backend.probe_timeouts + 1 if state == TIMEOUT else 0
-            if 0 < backend.probe_timeouts < self.config.health_timeouts_to_down:
-                continue
-            times = f" x{backend.probe_timeouts}" if backend.probe_timeouts else ""
-            if backend.set_up(state == SERVING, f"{backend.health_check} health {state}{times} at {backend.health_addr}"):
-                self.scheduler.wake_all(self.scheduler.role_of(backend))
-                changed = True
-        if changed and not self._model_learned:
-            await self._learn_model()  # the engines were down at start-up
-
-    async def _probe(self, backend: Backend, timeout_s: float) -> str:
-        """SERVING, NOT_SERVING, UNREACHABLE or TIMEOUT, over gRPC health or (vLLM engines) GET /health."""
-        if backend.health_check == "grpc":
-            return await probe_async(backend.health_addr, timeout_s)
-        try:
-            async with self.session.get(backend.health_addr, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
-                return SERVING if response.status == 200 else NOT_SERVING
-        except asyncio.TimeoutError:
-            return TIMEOUT
-        except aiohttp.ClientError:
-            return UNREACHABLE
-
-    async def _learn_model(self) -> None:
-        """The engines' model id from a decode's /v1/models (the config's model_id until one answers)."""
-        for backend in self.scheduler.pools["decode"]:
-            try:
-                async with self.session.get(backend.url + "/v1/models", timeout=timeout(self.config.connect_timeout_ms, 5000)) as response:
-                    data = await response.json(content_type=None)
-                self.backend_model = data["data"][0]["id"]
-                self._model_learned = True
-                return
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
-                continue
+    def health_snapshot(self) -> dict[str, Any]:
+        return {"mode": self.mode, "kv_connector": self.handoff.kind, "policy": self.settings.policy,
+                "queue_depth": self.scheduler.queue_depth, "backends": [b.snapshot() for b in self.scheduler.backends]}
 
     async def count_tokens(self, request_id: str, prompt: dict[str, Any]) -> int | None:
         """The engines' token count for `prompt` ({"messages": …} or {"prompt": …}) from vLLM's POST /tokenize on a
         usable decode, or None if none answers (then the caller estimates). Takes no slot: it is cheap."""
-        for backend in self.scheduler.pools["decode"]:
+        for backend in self.scheduler.pool("decode"):
             if not backend.usable:
                 continue
             try:
@@ -278,48 +195,144 @@ class PDClient:
                 return count
         return None
 
-    def health_snapshot(self) -> dict[str, Any]:
-        return {"mode": self.mode, "policy": self.config.policy, "queue_depth": self.scheduler.queue_depth,
-                "backends": [b.snapshot() for b in self.backends]}
-
-    def _gauges(self) -> Iterable[GaugeSample]:
-        for b in self.backends:
-            labels = {"backend": b.url, "role": b.role}
-            yield "pd_router_backend_up", labels, float(b.up)
-            yield "pd_router_backend_in_flight", labels, float(b.in_flight)
-            yield "pd_router_backend_outstanding_tokens", labels, float(b.outstanding_tokens)
-            yield "pd_router_backend_circuit", labels, float(_BREAKER_STATE[b.breaker.state])
-        yield "pd_router_queue_depth", {}, float(self.scheduler.queue_depth)
-
-    # -- outcomes ----------------------------------------------------------------------------------
-    def _failed(self, backend: Backend, failure: LegFailed) -> None:
-        self.metrics.backend_requests.inc(backend=backend.url, role=backend.role, outcome="error" if failure.retryable else "rejected")
-        if not failure.retryable:
-            backend.breaker.on_success()  # the engine answered properly; the request itself was bad
-            return
-        backend.breaker.on_failure()
-        if failure.unreachable and self.config.health_interval_ms:
-            backend.set_up(False, "connect failed")  # the health monitor brings it back when SERVING
-
-    def _succeeded(self, backend: Backend) -> None:
-        self.metrics.backend_requests.inc(backend=backend.url, role=backend.role, outcome="ok")
-        backend.breaker.on_success()
-
-    # -- the flow ------------------------------------------------------------------------------------
+    # -- the flow: pick, prefill leg, decode leg, relay -------------------------------------------------
     async def complete(self, request_id: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """Run a non-streamed request; the decode engine's JSON answer (with usage)."""
-        job = _Job.make(request_id, path, body, False, self.config.default_max_tokens)
+        job = _Job.make(request_id, path, body, False, self.settings.default_max_tokens)
         leg = await self._run(job)
         self.scheduler.release(leg.decode, job.decode_tokens)
         answer = leg.answer or {}
         answer.pop("kv_transfer_params", None)  # clients never learn PD exists
         return answer
 
+    async def _run(self, job: _Job) -> _Leg:
+        """1. Pick a decode, then its prefill leg and its decode leg; a new pair until decode answered (JSON) or
+        yielded its first chunk."""
+        tried: set[Backend] = set()
+        last_failure: LegFailed | None = None
+        for attempt in range(1, self.settings.max_retries + 2):
+            try:
+                decode = await self.scheduler.acquire("decode", job.decode_tokens, tried)
+            except NoBackendAvailable:
+                if last_failure is not None:
+                    raise last_failure.error from None
+                raise
+            try:
+                if self.handoff.prefill_leg:
+                    route, kv_params = await self._prefill(job, decode, attempt)
+                else:
+                    route, kv_params = self.handoff.route(job.request_id, decode, decode), None
+                    log_event(events.ROUTER_SCHEDULED, f"colocated on {decode.url}", request_id=job.request_id, prefill=decode.url,
+                              decode=decode.url, policy=self.settings.policy, mode=self.mode, attempt=attempt)
+                return await self._decode(job, decode, kv_params, route.request_id)
+            except LegFailed as failure:
+                self.scheduler.release(decode, job.decode_tokens)
+                self._decode_failed(job, decode, failure, mid_stream=False, retried=failure.retryable and attempt <= self.settings.max_retries)
+                if not failure.retryable:
+                    raise failure.error from None
+                tried.add(decode)
+                last_failure = failure
+                self.metrics.retries.inc(role="decode")
+            except BaseException:
+                self.scheduler.release(decode, job.decode_tokens)
+                raise
+        assert last_failure is not None, "retry loop ended without a failure"
+        raise last_failure.error
+
+    async def _prefill(self, job: _Job, decode: Backend, attempt: int) -> tuple[Route, dict[str, Any] | None]:
+        """2. The prefill leg, retried on other prefills; the route both legs follow and what decode gets."""
+        tried: set[Backend] = set()
+        last_failure: LegFailed | None = None
+        for tries in range(1, self.settings.max_retries + 2):
+            try:
+                prefill = await self.scheduler.acquire("prefill", job.prompt_tokens, tried)
+            except NoBackendAvailable:
+                if last_failure is None:
+                    raise
+                break
+            route = self.handoff.route(job.request_id, prefill, decode)
+            log_event(events.ROUTER_SCHEDULED, f"prefill {prefill.url} → decode {decode.url}", request_id=job.request_id,
+                      prefill=prefill.url, decode=decode.url, policy=self.settings.policy, mode=self.mode, attempt=attempt, prefill_attempt=tries)
+            started = time.perf_counter()
+            try:
+                answer = await post_json(self.session, prefill, job.path, job.prefill_body(route.prefill_params), route.request_id,
+                                         self._timeouts["prefill"])
+            except LegFailed as failure:
+                self._failed(prefill, failure)
+                retried = failure.retryable and tries <= self.settings.max_retries
+                log_event(events.ROUTER_PREFILL_FAILED, f"prefill {prefill.url} failed: {failure.error.message}", "WARNING",
+                          request_id=job.request_id, prefill=prefill.url, status=failure.status, error=failure.error.message,
+                          attempt=tries, retried=retried)
+                if not failure.retryable:
+                    raise failure.error from None
+                tried.add(prefill)
+                last_failure = failure
+                if retried:
+                    self.metrics.retries.inc(role="prefill")
+                continue
+            finally:
+                self.scheduler.release(prefill, job.prompt_tokens)
+            self._succeeded(prefill)
+            elapsed = time.perf_counter() - started
+            self.metrics.prefill.observe(elapsed)
+            try:
+                kv_params = self.handoff.decode_params(route, answer)
+            except UpstreamError as err:
+                log_event(events.ROUTER_PREFILL_FAILED, f"prefill {prefill.url} answered without kv_transfer_params", "ERROR",
+                          request_id=job.request_id, prefill=prefill.url, status=200, error=err.message, attempt=tries, retried=False)
+                raise
+            log_event(events.ROUTER_PREFILL_DONE, f"prefill done in {elapsed * 1000:.1f} ms", request_id=job.request_id,
+                      prefill=prefill.url, prefill_ms=round(elapsed * 1000, 2), transfer_id=route.transfer_id)
+            log_event(events.ROUTER_KV_HANDOFF, f"handing KV to decode {decode.url}", request_id=job.request_id, decode=decode.url,
+                      transfer_id=route.transfer_id, kv_transfer_params=sorted(kv_params or ()))
+            return route, kv_params
+        assert last_failure is not None, "prefill loop ended without a failure"
+        raise last_failure.error
+
+    async def _decode(self, job: _Job, decode: Backend, kv_params: dict[str, Any] | None, leg_id: str) -> _Leg:
+        """3. The decode leg (X-Request-ID `leg_id`); returns once it answered (JSON) or produced its first chunk (stream)."""
+        body = job.decode_body(kv_params)
+        sent = time.perf_counter()
+        if not job.stream:
+            try:
+                answer = await post_json(self.session, decode, job.path, body, leg_id, self._timeouts["decode_json"])
+            except LegFailed as failure:
+                self._failed(decode, failure)
+                raise
+            self._succeeded(decode)
+            return _Leg(decode, answer=answer)
+        response: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout(self._first_chunk_s):
+                response = await open_stream(self.session, decode, job.path, body, leg_id, self._timeouts["decode_stream"])
+                batches = aiter(read_event_batches(response.content))
+                frames = [data for _event, data in await anext(batches, [(None, DONE)])]
+                if frames[0] == DONE:
+                    raise LegFailed(UpstreamError("the decode engine closed the stream before its first chunk"), retryable=True)
+                first = self._parse_chunk(decode, frames[0])
+        except LegFailed as failure:
+            if response is not None:
+                response.close()
+            self._failed(decode, failure)
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as exc:
+            if response is not None:
+                response.close()
+            failure = exception_failure(decode, exc, "before the first chunk")
+            self._failed(decode, failure)
+            raise failure from exc
+        except BaseException:
+            if response is not None:
+                response.close()
+            raise
+        self._first_token(job, decode, sent)
+        return _Leg(decode, response=response, batches=batches, first=first, rest=frames[1:])
+
     async def stream(self, request_id: str, path: str, body: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
-        """Yield the decode engine's chunks as dicts, in batches: the chunks of one network read, so the
-        relay forwards them in one write (a burst, or a router running behind, costs one send, not one
-        per token). Always ends with a usage chunk (see module doc)."""
-        job = _Job.make(request_id, path, body, True, self.config.default_max_tokens)
+        """4. Relay: yield the decode engine's chunks as dicts, in batches: the chunks of one network read, so the
+        API writes them in one send (a burst, or a router running behind, costs one send, not one per token).
+        Always ends with a usage chunk (see module doc)."""
+        job = _Job.make(request_id, path, body, True, self.settings.default_max_tokens)
         leg = await self._run(job)
         decode, response, batches = leg.decode, leg.response, leg.batches
         assert response is not None and batches is not None and leg.first is not None, "stream leg opened without a first chunk"
@@ -373,6 +386,7 @@ class PDClient:
             response.close()  # unless finished, this drops the connection: the engine cancels and frees the KV
             self.scheduler.release(decode, job.decode_tokens)
 
+    # -- outcomes ----------------------------------------------------------------------------------
     def _parse_chunk(self, decode: Backend, data: str) -> dict[str, Any]:
         chunk = json.loads(data)
         if not isinstance(chunk, dict):
@@ -386,140 +400,28 @@ class PDClient:
             raise status_failure(decode, code if isinstance(code, int) and code >= 400 else 502, message)
         return chunk
 
-    async def _run(self, job: _Job) -> _Leg:
-        """Attempts with new pairs until the decode leg answers (JSON) or yields its first chunk."""
-        tried: set[Backend] = set()
-        last_failure: LegFailed | None = None
-        for attempt in range(1, self.config.max_retries + 2):
-            try:
-                decode = await self.scheduler.acquire("decode", job.decode_tokens, tried)
-            except NoBackendAvailable:
-                if last_failure is not None:
-                    raise last_failure.error from None
-                raise
-            try:
-                kv_params, leg_id = (None, job.request_id) if self.colocated else await self._prefill(job, decode, attempt)
-                if self.colocated:
-                    log_event(events.ROUTER_SCHEDULED, f"colocated on {decode.url}", request_id=job.request_id, prefill=decode.url,
-                              decode=decode.url, policy=self.config.policy, mode=self.mode, attempt=attempt)
-                return await self._decode(job, decode, kv_params, leg_id)
-            except LegFailed as failure:
-                self.scheduler.release(decode, job.decode_tokens)
-                self._decode_failed(job, decode, failure, mid_stream=False, retried=failure.retryable and attempt <= self.config.max_retries)
-                if not failure.retryable:
-                    raise failure.error from None
-                tried.add(decode)
-                last_failure = failure
-                self.metrics.retries.inc(role="decode")
-            except BaseException:
-                self.scheduler.release(decode, job.decode_tokens)
-                raise
-        assert last_failure is not None, "retry loop ended without a failure"
-        raise last_failure.error
-
-    async def _prefill(self, job: _Job, decode: Backend, attempt: int) -> tuple[dict[str, Any] | None, str]:
-        """Prefill leg with retries on other prefills; returns the kv_transfer_params for decode (None for P2pNccl)
-        and the request id both legs carry."""
-        tried: set[Backend] = set()
-        last_failure: LegFailed | None = None
-        for tries in range(1, self.config.max_retries + 2):
-            try:
-                prefill = await self.scheduler.acquire("prefill", job.prompt_tokens, tried)
-            except NoBackendAvailable:
-                if last_failure is None:
-                    raise
-                break
-            if self.p2pnccl:  # the KV route is in the request id (both registered zmq addresses)
-                transfer_id = leg_id = leg_request_id(prefill.kv_addr, decode.kv_addr)
-                body = job.prefill_body(None)
-            else:
-                transfer_id, leg_id = uuid.uuid4().hex, job.request_id
-                body = job.prefill_body(_push_params(transfer_id, decode.kv_addr))
-            log_event(events.ROUTER_SCHEDULED, f"prefill {prefill.url} → decode {decode.url}", request_id=job.request_id,
-                      prefill=prefill.url, decode=decode.url, policy=self.config.policy, mode=self.mode, attempt=attempt, prefill_attempt=tries)
-            started = time.perf_counter()
-            try:
-                answer = await post_json(self.session, prefill, job.path, body, leg_id, self._timeouts["prefill"])
-            except LegFailed as failure:
-                self._failed(prefill, failure)
-                retried = failure.retryable and tries <= self.config.max_retries
-                log_event(events.ROUTER_PREFILL_FAILED, f"prefill {prefill.url} failed: {failure.error.message}", "WARNING",
-                          request_id=job.request_id, prefill=prefill.url, status=failure.status, error=failure.error.message,
-                          attempt=tries, retried=retried)
-                if not failure.retryable:
-                    raise failure.error from None
-                tried.add(prefill)
-                last_failure = failure
-                if retried:
-                    self.metrics.retries.inc(role="prefill")
-                continue
-            finally:
-                self.scheduler.release(prefill, job.prompt_tokens)
-            self._succeeded(prefill)
-            elapsed = time.perf_counter() - started
-            self.metrics.prefill.observe(elapsed)
-            kv_params = None if self.p2pnccl else answer.get("kv_transfer_params")  # P2pNccl: P pushed to D's zmq address
-            if not self.p2pnccl and not isinstance(kv_params, dict):
-                log_event(events.ROUTER_PREFILL_FAILED, f"prefill {prefill.url} answered without kv_transfer_params", "ERROR",
-                          request_id=job.request_id, prefill=prefill.url, status=200, error="no kv_transfer_params", attempt=tries, retried=False)
-                raise UpstreamError("the prefill engine returned no kv_transfer_params (is it running as a KV producer?)")
-            transfer_id = (kv_params or {}).get("transfer_id", transfer_id)
-            log_event(events.ROUTER_PREFILL_DONE, f"prefill done in {elapsed * 1000:.1f} ms", request_id=job.request_id,
-                      prefill=prefill.url, prefill_ms=round(elapsed * 1000, 2), transfer_id=transfer_id)
-            log_event(events.ROUTER_KV_HANDOFF, f"handing KV to decode {decode.url}", request_id=job.request_id, decode=decode.url,
-                      transfer_id=transfer_id, kv_transfer_params=sorted(kv_params or ()))
-            return kv_params, leg_id
-        assert last_failure is not None, "prefill loop ended without a failure"
-        raise last_failure.error
-
-    async def _decode(self, job: _Job, decode: Backend, kv_params: dict[str, Any] | None, leg_id: str) -> _Leg:
-        """Send the decode leg (X-Request-ID `leg_id`); return once it answered (JSON) or produced its first chunk (stream)."""
-        body = job.decode_body(kv_params)
-        sent = time.perf_counter()
-        if not job.stream:
-            try:
-                answer = await post_json(self.session, decode, job.path, body, leg_id, self._timeouts["decode_json"])
-            except LegFailed as failure:
-                self._failed(decode, failure)
-                raise
-            self._succeeded(decode)
-            return _Leg(decode, answer=answer)
-        response: aiohttp.ClientResponse | None = None
-        try:
-            async with asyncio.timeout(self._first_chunk_s):
-                response = await open_stream(self.session, decode, job.path, body, leg_id, self._timeouts["decode_stream"])
-                batches = aiter(read_event_batches(response.content))
-                frames = [data for _event, data in await anext(batches, [(None, DONE)])]
-                if frames[0] == DONE:
-                    raise LegFailed(UpstreamError("the decode engine closed the stream before its first chunk"), retryable=True)
-                first = self._parse_chunk(decode, frames[0])
-        except LegFailed as failure:
-            if response is not None:
-                response.close()
-            self._failed(decode, failure)
-            raise
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as exc:
-            if response is not None:
-                response.close()
-            failure = exception_failure(decode, exc, "before the first chunk")
-            self._failed(decode, failure)
-            raise failure from exc
-        except BaseException:
-            if response is not None:
-                response.close()
-            raise
-        self._first_token(job, decode, sent)
-        return _Leg(decode, response=response, batches=batches, first=first, rest=frames[1:])
-
     def _first_token(self, job: _Job, decode: Backend, sent: float) -> None:
         """Streams only: a non-streamed answer has no first-token moment the router can see."""
         now = time.perf_counter()
         ttft = now - job.started
         self.metrics.ttft.observe(ttft, mode=self.mode)
-        if not self.colocated:
+        if self.handoff.prefill_leg:
             self.metrics.kv_handoff.observe(now - sent)
         log_event(events.ROUTER_DECODE_FIRST_TOKEN, f"first token after {ttft * 1000:.1f} ms", request_id=job.request_id,
                   decode=decode.url, ttft_ms=round(ttft * 1000, 2))
+
+    def _failed(self, backend: Backend, failure: LegFailed) -> None:
+        self.metrics.backend_requests.inc(backend=backend.url, role=backend.role, outcome="error" if failure.retryable else "rejected")
+        if not failure.retryable:
+            backend.breaker.on_success()  # the engine answered properly; the request itself was bad
+            return
+        backend.breaker.on_failure()
+        if failure.unreachable and self.settings.health_interval_ms:
+            self.scheduler.mark(backend, False, "connect failed")  # the health monitor brings it back when SERVING
+
+    def _succeeded(self, backend: Backend) -> None:
+        self.metrics.backend_requests.inc(backend=backend.url, role=backend.role, outcome="ok")
+        backend.breaker.on_success()
 
     def _decode_failed(self, job: _Job, decode: Backend, failure: LegFailed, *, mid_stream: bool, retried: bool = False) -> None:
         if mid_stream:
@@ -527,4 +429,3 @@ class PDClient:
         log_event(events.ROUTER_DECODE_FAILED, f"decode {decode.url} failed{' mid-stream' if mid_stream else ''}: {failure.error.message}",
                   "ERROR" if mid_stream else "WARNING", request_id=job.request_id, decode=decode.url, status=failure.status,
                   error=failure.error.message, mid_stream=mid_stream, retried=retried)
-

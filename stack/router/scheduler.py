@@ -4,6 +4,9 @@
 outstanding load); `release(backend, tokens)` gives it back and wakes the oldest waiter. When
 every usable backend is full, requests wait up to `queue_timeout_ms` in a queue of at most
 `queue_size`; past either bound they get an error with `Retry-After` instead of hanging.
+
+The scheduler owns the pools: backends join and leave (`add_backend`, `remove_backend`) and go up
+or down (`mark`) only through it, so every change wakes the requests waiting on that role.
 """
 
 from __future__ import annotations
@@ -27,11 +30,17 @@ class SchedulerConfig:
     """The [scheduler] table: policy, queue, retries, health, breakers and upstream timeouts."""
 
     policy: Literal["load_aware", "round_robin"] = "load_aware"  # load_aware = fewest outstanding tokens
+    # How prefill hands its KV to decode (handoff.py; KV_CONNECTOR overrides): "pd-push" = our engines (prefill pushes
+    # to the KV port decode reports on GET /health), "nixl" = vLLM NixlConnector (prefill's kv_transfer_params go to
+    # decode unchanged), "p2pnccl" = vLLM P2pNcclConnector (engines register on [p2pnccl] registry_port; the KV route
+    # is in the request id). Identical prefill and decode endpoints are colocated whatever this says: one request.
+    kv_connector: Literal["pd-push", "nixl", "p2pnccl"] = "pd-push"
     kv_transfer_timeout_ms: int = 5000  # the article's; the decode leg may wait this long for KV before its first token
     queue_size: int = 256  # requests allowed to wait for a backend slot; more get 429 + Retry-After
     queue_timeout_ms: int = 10_000  # longest wait for a slot; then 503 + Retry-After
     max_retries: int = 2  # extra attempts after a retryable failure (another prefill; or a new pair before decode's first byte)
-    health_interval_ms: int = 2000  # gRPC health probe period; 0 = no active checks (breakers only)
+    # Health probe period; 0 = no active checks (breakers only, and decode KV addresses are learned once, at start).
+    health_interval_ms: int = 2000
     # Probe timeouts in a row before a backend counts as down (Kubernetes' failureThreshold): a slow answer on a
     # busy host is not a dead engine. NOT_SERVING or a refused connection takes it out at once.
     health_timeouts_to_down: int = 3
@@ -66,13 +75,44 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, pools: dict[str, list[Backend]]) -> None:
         self.config = config
-        self.pools = pools
+        self._pools = pools
         self._next = dict.fromkeys(pools, 0)  # round-robin position; also breaks load_aware ties
         self._waiters: dict[str, deque[asyncio.Future[None]]] = {role: deque() for role in pools}
         self.queue_depth = 0
 
+    # -- membership and health ---------------------------------------------------------------------
+    @property
+    def backends(self) -> tuple[Backend, ...]:
+        """Every backend of every pool (a snapshot: the pools may change while the caller awaits)."""
+        return tuple(b for pool in self._pools.values() for b in pool)
+
+    def pool(self, role: str) -> tuple[Backend, ...]:
+        return tuple(self._pools[role])
+
+    def add_backend(self, backend: Backend) -> None:
+        """A backend joins its role's pool; waiters re-check (one of them may take it at once)."""
+        role = self.role_of(backend)
+        self._pools[role].append(backend)
+        self._wake_all(role)
+
+    def remove_backend(self, url: str) -> None:
+        """No new requests go to `url` (those in flight finish or fail on their own); waiters re-check, and fail fast
+        if nothing usable is left."""
+        for role, pool in self._pools.items():
+            if any(b.url == url for b in pool):
+                pool[:] = [b for b in pool if b.url != url]
+                self._wake_all(role)
+
+    def mark(self, backend: Backend, up: bool, reason: str) -> bool:
+        """Record a backend's health (logged by Backend.set_up); on a change, waiters re-check. True if it changed."""
+        changed = backend.set_up(up, reason)
+        if changed:
+            self._wake_all(self.role_of(backend))
+        return changed
+
+    # -- slots -------------------------------------------------------------------------------------------
     def _pick(self, role: str, exclude: Collection[Backend]) -> Backend | None:
-        pool = self.pools[role]
+        pool = self._pools[role]
         start = self._next[role]
         ready = [b for b in (pool[(start + i) % len(pool)] for i in range(len(pool))) if b.has_slot and b not in exclude and b.usable]
         if not ready:
@@ -82,7 +122,7 @@ class Scheduler:
         return chosen
 
     def _check_usable(self, role: str, exclude: Collection[Backend]) -> None:
-        candidates = [b for b in self.pools[role] if b not in exclude]
+        candidates = [b for b in self._pools[role] if b not in exclude]
         if any(b.usable for b in candidates):
             return
         down = [b.url for b in candidates if not b.up]
@@ -158,8 +198,8 @@ class Scheduler:
         backend.give_back(tokens)
         self._wake(self.role_of(backend))
 
-    def wake_all(self, role: str) -> None:
-        """Health changed: let every waiter re-check (and fail fast if nothing is usable)."""
+    def _wake_all(self, role: str) -> None:
+        """The pool or its health changed: let every waiter re-check (and fail fast if nothing is usable)."""
         for waiter in self._waiters[role]:
             if not waiter.done():
                 waiter.set_result(None)

@@ -28,17 +28,49 @@ def test_shipped_settings_load_with_compose_endpoints() -> None:
     assert config.server.port == 8080 and config.taotoken.api_key_env == "TAOTOKEN_API_KEY"
     assert config.taotoken.model_id == "your-model-id"
     assert config.prefill.urls == ("http://prefill:8000",) and config.decode.urls == ("http://decode:8000",)
-    assert config.decode.kv_addrs == ("decode:9100",) and config.scheduler.policy == "load_aware"
+    assert config.scheduler.policy == "load_aware" and config.scheduler.kv_connector == "pd-push"
+    # No KV port anywhere: the router learns it from decode's GET /health.
+    assert config.decode.kv_addrs == () and config.kv_transfer_port == 0
 
 
 def test_env_overrides_endpoints_and_kv_port() -> None:
-    """PREFILL_ENDPOINT, DECODE_ENDPOINT (comma-separated for xPyD) and KV_TRANSFER_PORT override the file."""
+    """PREFILL_ENDPOINT and DECODE_ENDPOINT (comma-separated for xPyD) override the file; KV_TRANSFER_PORT is kept
+    apart, as the port to check decode's report against, and changes no address."""
     env = {"PREFILL_ENDPOINT": "http://10.0.0.11:8000", "DECODE_ENDPOINT": "http://10.0.0.12:8000,http://10.0.0.13:8000",
            "KV_TRANSFER_PORT": "9200"}
     config = router_config.load(SHIPPED, env=env)
     assert config.prefill.urls == ("http://10.0.0.11:8000",)
     assert config.decode.urls == ("http://10.0.0.12:8000", "http://10.0.0.13:8000")
-    assert config.decode.kv_addrs == ("10.0.0.12:9200", "10.0.0.13:9200")
+    assert config.kv_transfer_port == 9200 and config.decode.kv_addrs == ()
+    with pytest.raises(ConfigError, match="environment: KV_TRANSFER_PORT: must be a port number 1..65535, got '91x0'"):
+        router_config.load(SHIPPED, env={"KV_TRANSFER_PORT": "91x0"})
+
+
+def test_kv_connector_from_file_or_env_and_validated() -> None:
+    """[scheduler] kv_connector picks the hand-off; KV_CONNECTOR (the GPU overlays) overrides it; other values are refused."""
+    assert router_config.load(SHIPPED, env={"KV_CONNECTOR": "nixl"}).scheduler.kv_connector == "nixl"
+    with pytest.raises(ConfigError, match="environment: KV_CONNECTOR: must be one of pd-push, nixl, p2pnccl, got 'nccl'"):
+        router_config.load(SHIPPED, env={"KV_CONNECTOR": "nccl"})
+
+
+@pytest.mark.parametrize(("text", "env", "message"), [
+    ('[scheduler]\nkv_connector = "push"\n', {}, "settings.toml: scheduler.kv_connector: must be one of 'pd-push', 'nixl', 'p2pnccl'"),
+    ('[scheduler]\nkv_connector = "p2pnccl"\n', {}, "settings.toml: scheduler.kv_connector: is 'p2pnccl', but p2pnccl.registry_port"),
+    ("[p2pnccl]\nregistry_port = 30001\n", {}, "settings.toml: p2pnccl.registry_port: is set, but scheduler.kv_connector is 'pd-push'"),
+    ("", {"P2PNCCL_REGISTRY_PORT": "30001", "KV_CONNECTOR": "nixl"}, "p2pnccl.registry_port: is set, but scheduler.kv_connector is 'nixl'"),
+])
+def test_kv_connector_and_registry_must_agree(tmp_path: Path, text: str, env: dict[str, str], message: str) -> None:
+    """P2pNccl needs the registry and the registry needs P2pNccl: either alone stops start-up naming file and key."""
+    path = _settings(tmp_path, text + '[prefill]\nendpoint = "http://p:8000"\n[decode]\nendpoint = "http://d:8000"\n')
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        router_config.load(path, env=env)
+
+
+def test_half_shared_endpoints_are_refused_at_load(tmp_path: Path) -> None:
+    """Prefill and decode pools that share some engines but not all stop start-up at config load, naming the file."""
+    path = _settings(tmp_path, '[prefill]\nendpoints = ["http://a:1", "http://b:1"]\n[decode]\nendpoint = "http://a:1"\n')
+    with pytest.raises(ConfigError, match=r"settings.toml: prefill.endpoints: .*identical \(colocated\) or disjoint"):
+        router_config.load(path, env={})
 
 
 def test_backend_health_check_env_switches_both_pools_to_http() -> None:
@@ -52,10 +84,12 @@ def test_backend_health_check_env_switches_both_pools_to_http() -> None:
 
 
 def test_p2pnccl_registry_port_from_env_needs_no_endpoints(tmp_path: Path) -> None:
-    """P2PNCCL_REGISTRY_PORT (the P2pNccl overlay) turns the registry on, and then no endpoint is required;
+    """P2PNCCL_REGISTRY_PORT (the P2pNccl overlay, with kv_connector p2pnccl) turns the registry on, and then no endpoint is required;
     without it a settings file without endpoints is refused; a bad port names the variable."""
-    path = _settings(tmp_path, '[taotoken]\nmodel_id = "m"\n')
+    path = _settings(tmp_path, '[taotoken]\nmodel_id = "m"\n[scheduler]\nkv_connector = "p2pnccl"\n')
     assert router_config.load(path, env={"P2PNCCL_REGISTRY_PORT": "30001"}).p2pnccl.registry_port == 30001
+    path = _settings(tmp_path, '[taotoken]\nmodel_id = "m"\n')
+    assert router_config.load(path, env={"P2PNCCL_REGISTRY_PORT": "30001", "KV_CONNECTOR": "p2pnccl"}).p2pnccl.registry_port == 30001
     with pytest.raises(ConfigError, match="prefill.endpoint: no endpoint"):
         router_config.load(path, env={})
     with pytest.raises(ConfigError, match="P2PNCCL_REGISTRY_PORT: must be a port number"):
@@ -88,6 +122,7 @@ def test_key_looking_values_stop_start_up(tmp_path: Path, text: str, key: str) -
     ('[limits]\nrqm = 5\n', "settings.toml: limits.rqm: unknown key"),
     ('[p2pnccl]\ninstance_ttl_ms = 0\n', "settings.toml: p2pnccl.instance_ttl_ms: must be > 0"),
     ('[usage]\nflush_interval_ms = 0\n', "settings.toml: usage.flush_interval_ms: must be > 0"),
+    ('kv_transfer_port = 9200\n', "settings.toml: kv_transfer_port: unknown key"),  # only KV_TRANSFER_PORT sets it
 ])
 def test_invalid_values_name_file_key_and_problem(tmp_path: Path, text: str, message: str) -> None:
     """A bad value gives one line: file, dotted key, problem."""

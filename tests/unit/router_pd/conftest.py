@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 from stack.common.health import SERVING, probe_async
 from stack.common.logging import setup_logging
 from stack.router.backends import PoolConfig
+from stack.router.config import RouterConfig
 from stack.router.metrics import Metrics
 from stack.router.pd import PDClient
 from stack.router.scheduler import SchedulerConfig
@@ -71,22 +73,24 @@ async def fake() -> AsyncIterator[Callable[..., Any]]:
 
 
 def pool(engines: Sequence[Any], max_concurrent: int = 8, health_check: str = "grpc") -> PoolConfig:
-    """A PoolConfig over started engines (anything with url, health_addr and optionally kv_addr)."""
+    """A PoolConfig over started engines (anything with url and health_addr); decodes tell their KV port on GET /health."""
     return PoolConfig(endpoints=tuple(e.url for e in engines), max_concurrent=max_concurrent, health_check=health_check,
-                      health_addrs=tuple(e.health_addr for e in engines),
-                      kv_addrs=tuple(getattr(e, "kv_addr", "127.0.0.1:1") for e in engines))
+                      health_addrs=tuple(e.health_addr for e in engines))
 
 
 @pytest.fixture
 async def pd(session: aiohttp.ClientSession) -> AsyncIterator[Callable[..., Any]]:
-    """Build and start a PDClient: await pd(prefills, decodes, max_concurrent=…, **scheduler settings)."""
+    """Build and start a PDClient: await pd(prefills, decodes, max_concurrent=…, clock=…, **scheduler settings)."""
     clients: list[PDClient] = []
 
     async def build(prefills: Sequence[Any], decodes: Sequence[Any], max_concurrent: int = 8, health_check: str = "grpc",
+                    clock: Callable[[], float] = time.monotonic, kv_addrs: tuple[str, ...] = (), kv_transfer_port: int = 0,
                     **settings: Any) -> PDClient:
         settings.setdefault("health_interval_ms", 200)
-        client = PDClient(pool(prefills, max_concurrent, health_check), pool(decodes, max_concurrent, health_check),
-                          SchedulerConfig(**settings), session, Metrics())
+        decode = dataclasses.replace(pool(decodes, max_concurrent, health_check), kv_addrs=kv_addrs)
+        config = RouterConfig(prefill=pool(prefills, max_concurrent, health_check), decode=decode,
+                              scheduler=SchedulerConfig(**settings), kv_transfer_port=kv_transfer_port)
+        client = PDClient(config, session, Metrics(), clock=clock)
         await client.start()
         clients.append(client)
         return client
@@ -94,6 +98,19 @@ async def pd(session: aiohttp.ClientSession) -> AsyncIterator[Callable[..., Any]
     yield build
     for client in clients:
         await client.close()
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    """Wait until `predicate()` holds (polled every 10 ms); the bound only catches a hang."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"still not {what} after {timeout_s} s"
+        await asyncio.sleep(0.01)
+
+
+def backend(client: PDClient, url: str) -> Any:
+    """The router's Backend for `url`."""
+    return next(b for b in client.scheduler.backends if b.url == url)
 
 
 async def wait_for_state(client: PDClient, url: str, state: str, timeout_s: float = 10.0) -> None:
@@ -149,7 +166,6 @@ class EngineProcess:
         self.port, self.health_port, self.kv_port = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.health_addr = f"127.0.0.1:{self.health_port}"
-        self.kv_addr = f"127.0.0.1:{self.kv_port}"
         self.log_path = tmp_path / f"{role}-{self.port}.log"
         source = "decode" if role == "both" else role
         config = json.loads((REPO / "stack" / source / "config.json").read_text())
@@ -209,7 +225,6 @@ health_addrs = ["{prefill.health_addr}"]
 [decode]
 endpoint = "{decode.url}"
 health_addrs = ["{decode.health_addr}"]
-kv_addrs = ["{decode.kv_addr}"]
 [usage]
 db_path = "{tmp_path / (name + '.sqlite3')}"
 """)

@@ -17,6 +17,8 @@ from aiohttp import web
 from stack.common.health import HealthServer, start_health_server
 from stack.common.sse import frame, send_done
 
+FAKE_KV_PORT = 7001  # what a fake decode reports on GET /health as its KV listener (nothing listens: no KV moves)
+
 # vLLM's real prefill answer shape. Source: vllm-project/vllm@0f120751344c09af442c1800020908d2b7ff71f2
 # vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py, NixlConnectorScheduler.request_finished:
 #   return delay_free_blocks, dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=block_ids,
@@ -24,7 +26,10 @@ from stack.common.sse import frame, send_done
 #       remote_port=self.side_channel_port, tp_size=self.vllm_config.parallel_config.tensor_parallel_size)
 # surfaced as the top-level `kv_transfer_params` of the non-streamed ChatCompletionResponse/CompletionResponse
 # (vllm/entrypoints/openai/protocol.py: `kv_transfer_params: dict[str, Any] | None = Field(default=None,
-# description="KVTransfer parameters used for disaggregated serving.")`). No transfer_id: the router must not need one.
+# description="KVTransfer parameters used for disaggregated serving.")`). Later vLLM adds six more keys (the NIXL
+# pull scheduler's request_finished: dcp_size, pp_size, remote_num_tokens, remote_blocks_expiry_time, transfer_mode;
+# remote_prefill_cached_tokens from vllm PR #54222): 14 in all. No transfer_id: the router must not need one, and must
+# not drop keys it does not know.
 VLLM_NIXL_PREFILL_PARAMS = {
     "do_remote_prefill": True,
     "do_remote_decode": False,
@@ -34,6 +39,12 @@ VLLM_NIXL_PREFILL_PARAMS = {
     "remote_host": "10.0.0.11",
     "remote_port": 5600,
     "tp_size": 1,
+    "dcp_size": 1,
+    "pp_size": 1,
+    "remote_num_tokens": 3,
+    "remote_blocks_expiry_time": 1767225600.5,
+    "transfer_mode": "pull",
+    "remote_prefill_cached_tokens": 0,
 }
 
 
@@ -57,10 +68,13 @@ class FakeEngine:
     role: str  # prefill | decode | both
     tokens: int = 4
     nixl: bool = False  # prefill answers like vLLM NixlConnector instead of our engine
+    kv_producer: bool = True  # False: a prefill leg is answered without kv_transfer_params (an engine not set up for PD)
     faults: Faults = field(default_factory=Faults)
     seen: list[dict[str, Any]] = field(default_factory=list)
+    prefill_answers: list[dict[str, Any]] = field(default_factory=list)  # every answer to a prefill leg, as sent
     disconnects: int = 0
     serving: bool = True  # what both health endpoints say: gRPC health and vLLM-style GET /health
+    kv_port: int | None = FAKE_KV_PORT  # reported on GET /health by decodes, as our engine does (None: not reported)
     url: str = ""
     health_addr: str = ""
     _runner: web.AppRunner | None = None
@@ -95,7 +109,10 @@ class FakeEngine:
         await (self._health.set_serving() if serving else self._health.set_not_serving())
 
     async def _http_health(self, _request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.serving else 503)
+        body: dict[str, Any] = {"status": "ok" if self.serving else "starting", "role": self.role}
+        if self.role != "prefill" and self.kv_port is not None:
+            body["kv_port"] = self.kv_port
+        return web.json_response(body, status=200 if self.serving else 503)
 
     async def _models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
@@ -125,12 +142,13 @@ class FakeEngine:
         return await self._stream(request, body)
 
     def _prefill_answer(self, body: dict[str, Any], params: dict[str, Any]) -> web.Response:
-        answer = self._answer(body, "x", 1)
-        if self.nixl:
+        answer = self._answer(body, "x", 1)  # kv_transfer_params null unless a KV producer
+        if self.kv_producer and self.nixl:
             answer["kv_transfer_params"] = dict(VLLM_NIXL_PREFILL_PARAMS)
-        else:
+        elif self.kv_producer:
             answer["kv_transfer_params"] = {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": params["transfer_id"],
                                             "num_tokens": 3, "remote_host": "127.0.0.1", "remote_port": 1}
+        self.prefill_answers.append(answer)
         return web.json_response(answer)
 
     def _answer(self, body: dict[str, Any], text: str, tokens: int) -> dict[str, Any]:

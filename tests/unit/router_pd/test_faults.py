@@ -10,27 +10,14 @@ import pytest
 
 from stack.common import events
 from stack.common.errors import InvalidRequest, Overloaded, RateLimited, UpstreamError, UpstreamTimeout
-from tests.unit.router_pd.conftest import relay_app, wait_for_state
-from tests.unit.router_pd.fake_engine import VLLM_NIXL_PREFILL_PARAMS, Faults, chunk_text
+from tests.unit.router_pd.conftest import backend, relay_app, until, wait_for_state
+from tests.unit.router_pd.fake_engine import Faults, chunk_text
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
 async def collect(client, request_id="r1", body=CHAT):
     return [chunk async for batch in client.stream(request_id, "/v1/chat/completions", dict(body)) for chunk in batch]
-
-
-async def test_vllm_nixl_params_pass_to_decode_unchanged(fake, pd, logs):
-    """vLLM NixlConnector's prefill answer (fixture cited from vLLM's source) reaches decode byte-for-byte unchanged."""
-    prefill = await fake("prefill", nixl=True)
-    decode = await fake("decode")
-    client = await pd([prefill], [decode])
-    await collect(client)
-    leg = prefill.seen[0]
-    assert leg["max_tokens"] == 1 and leg["stream"] is False and "stream_options" not in leg
-    assert leg["kv_transfer_params"]["do_remote_decode"] is True and leg["kv_transfer_params"]["remote_engine_id"] is None
-    assert decode.seen[0]["kv_transfer_params"] == VLLM_NIXL_PREFILL_PARAMS
-    assert decode.seen[0]["headers"]["X-Request-ID"] == leg["headers"]["X-Request-ID"] == "r1"
 
 
 async def test_prefill_error_retries_on_the_other_prefill(fake, pd, logs):
@@ -90,7 +77,7 @@ async def test_decode_dying_mid_stream_is_an_error_after_the_first_chunk(fake, p
     assert chunk_text(got) == "t0 t1 "
     failed = logs.events(events.ROUTER_DECODE_FAILED)
     assert failed[-1]["mid_stream"] is True and failed[-1]["request_id"] == "rmid"
-    assert client.backends[1].in_flight == 0  # the slot came back
+    assert backend(client, decode.url).in_flight == 0  # the slot came back
 
 
 async def test_a_burst_is_relayed_in_fewer_batches_than_chunks(fake, pd):
@@ -139,17 +126,17 @@ async def test_single_prefill_failing_gives_a_clean_5xx(fake, pd, logs):
     with pytest.raises(UpstreamError, match=r"prefill engine failed \(HTTP 500\): CUDA out of memory"):
         await client.complete("r5", "/v1/chat/completions", dict(CHAT))
     assert len(prefill.seen) == 1 and decode.seen == []
-    assert all(b.in_flight == 0 for b in client.backends)
+    assert all(b.in_flight == 0 for b in client.scheduler.backends)
 
 
 async def test_full_queue_gets_429_then_503_with_retry_after(fake, pd):
     """All slots busy: up to queue_size requests wait, the next gets 429; a waiter past queue_timeout_ms gets 503."""
-    client = await pd([await fake("prefill")], [await fake("decode", faults=Faults(delay_s=1.0))], max_concurrent=1,
-                      queue_size=1, queue_timeout_ms=300)
+    decode = await fake("decode", faults=Faults(delay_s=1.0))
+    client = await pd([await fake("prefill")], [decode], max_concurrent=1, queue_size=1, queue_timeout_ms=300)
     busy = asyncio.create_task(client.complete("a", "/v1/chat/completions", dict(CHAT)))
-    await asyncio.sleep(0.1)
+    await until(lambda: len(decode.seen) == 1, "holding the decode slot")
     queued = asyncio.create_task(client.complete("b", "/v1/chat/completions", dict(CHAT)))
-    await asyncio.sleep(0.05)
+    await until(lambda: client.scheduler.queue_depth == 1, "queued")
     with pytest.raises(RateLimited) as full:
         await client.complete("c", "/v1/chat/completions", dict(CHAT))
     assert full.value.status == 429 and full.value.headers["Retry-After"] == "1"
@@ -163,7 +150,8 @@ async def test_breaker_opens_then_recovers(fake, pd, logs):
     """Repeated decode failures open its circuit (503 naming decode, no upstream call); after the cool-down a success closes it."""
     prefill = await fake("prefill")
     decode = await fake("decode", faults=Faults(http_500=2))
-    client = await pd([prefill], [decode], breaker_failures=2, breaker_cooldown_ms=300, max_retries=0)
+    now = [0.0]
+    client = await pd([prefill], [decode], breaker_failures=2, breaker_cooldown_ms=300, max_retries=0, clock=lambda: now[0])
     for _ in range(2):
         with pytest.raises(UpstreamError):
             await client.complete("rb", "/v1/chat/completions", dict(CHAT))
@@ -171,7 +159,7 @@ async def test_breaker_opens_then_recovers(fake, pd, logs):
     with pytest.raises(Overloaded, match="no decode backend is available .*circuit open"):
         await client.complete("rb", "/v1/chat/completions", dict(CHAT))
     assert len(decode.seen) == calls  # rejected without touching the engine
-    await asyncio.sleep(0.35)
+    now[0] += 0.3  # the cool-down has passed
     assert (await client.complete("rb", "/v1/chat/completions", dict(CHAT)))["usage"]["completion_tokens"] == 4
     states = [e["state"] for e in logs.events(events.BACKEND_CIRCUIT)]
     assert states == ["open", "half_open", "closed"]
@@ -202,7 +190,7 @@ async def test_health_probe_timeouts_take_a_backend_out_only_after_several_in_a_
     decode.health_addr = silent_address
     client = await pd([prefill], [decode], health_interval_ms=100, health_timeouts_to_down=3)
     # start() has run one probe round: one timeout, still up, so the request is served.
-    assert client.backends[0].url == decode.url and client.backends[0].up and client.backends[0].probe_timeouts == 1
+    assert backend(client, decode.url).up and backend(client, decode.url).probe_timeouts == 1
     assert (await client.complete("t1", "/v1/chat/completions", dict(CHAT)))["usage"]["completion_tokens"] == 4
     await wait_for_state(client, decode.url, "down")
     [down] = [e for e in logs.events(events.BACKEND_HEALTH) if e["backend"] == decode.url]

@@ -44,6 +44,7 @@ class VllmPinger:
                  payload: bytes | None = None) -> None:
         """`payload` replaces the registration (a sender that speaks something else)."""
         self.payload = payload or msgpack.packb({"type": kind, "http_address": http_address, "zmq_address": zmq_address})
+        self.sent = 0
         self.context = zmq.asyncio.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt_string(zmq.IDENTITY, zmq_address)
@@ -55,6 +56,7 @@ class VllmPinger:
     async def _ping(self) -> None:
         while True:
             await self.socket.send(self.payload)
+            self.sent += 1
             await asyncio.sleep(self.interval_s)
 
     def start(self) -> VllmPinger:
@@ -83,6 +85,7 @@ host = "127.0.0.1"
 api_key_env = "PD_TEST_KEY"
 model_id = "{MODEL}"
 [scheduler]
+kv_connector = "p2pnccl"
 health_interval_ms = 100
 max_retries = 0
 [usage]
@@ -225,16 +228,27 @@ async def test_the_doctor_names_the_engine_that_never_registered(fake, pingers, 
     assert "p2pnccl.no_prefill" not in found and len(prefill.seen) == 0
 
 
-async def test_a_ping_not_in_vllm_format_is_logged_once_and_ignored(pingers, aiohttp_client, tmp_path, logs) -> None:
+async def test_a_ping_not_in_vllm_format_is_logged_once_and_ignored(fake, pingers, aiohttp_client, tmp_path, logs) -> None:
     """A stranger on the registry port (or another protocol) registers nothing; its first bad ping is logged, not every one."""
     port = free_port()
     router = await aiohttp_client(create_app(router_config.load(write_settings(tmp_path, port), env={}), env={"PD_TEST_KEY": KEY}))
-    pingers(port, "P", "", "stranger:1", 0.05, json.dumps({"type": "P"}).encode())
+    stranger = pingers(port, "P", "", "stranger:1", 0.01, json.dumps({"type": "P"}).encode())
     await wait_for_event(logs, events.P2PNCCL_BAD_PING)
-    await asyncio.sleep(0.3)  # several more bad pings from the same sender
+    sent = stranger.sent
+    deadline = time.monotonic() + 10
+    while stranger.sent < sent + 5:  # several more bad pings from the same sender
+        assert time.monotonic() < deadline, "the stranger stopped pinging"
+        await asyncio.sleep(0.01)
+    await stranger.stop()
+    # The same socket then speaks vLLM's format: once that registers, every bad ping before it was read (one
+    # connection is FIFO), so the count below is final.
+    prefill = await fake("prefill")
+    stranger.payload = msgpack.packb({"type": "P", "http_address": prefill.url.removeprefix("http://"), "zmq_address": "stranger:1"})
+    stranger.start()
+    body = await wait_for_instances(router, 1)
     [bad] = logs.events(events.P2PNCCL_BAD_PING)
     assert bad["sender"] == "stranger:1" and bad["level"] == "WARNING"
-    assert (await health(router))["p2pnccl_instances"] == []
+    assert [i["url"] for i in body["p2pnccl_instances"]] == [prefill.url]  # only the good ping registered anything
 
 
 def test_a_taken_registry_port_is_a_config_error(tmp_path) -> None:

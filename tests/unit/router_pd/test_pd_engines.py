@@ -63,7 +63,7 @@ async def test_load_aware_spreads_over_two_decodes(engines, pd, logs):
     async def one(i: int) -> str:
         chunks = []
         async for batch in client.stream(f"x-{i}", "/v1/chat/completions", chat(max_tokens=6)):
-            for b in client.backends:
+            for b in client.scheduler.backends:
                 peak[b.url] = max(peak.get(b.url, 0), b.in_flight)
             chunks += batch
         return chunk_text(chunks)
@@ -131,7 +131,7 @@ async def test_client_disconnect_cancels_the_decode(engines, pd, aiohttp_client,
     cancelled = await wait_for_event(decode, events.ENGINE_REQUEST_CANCELLED, "gone", timeout_s=15)
     assert cancelled["kv_blocks_freed"] > 0
     assert [e["request_id"] for e in logs.events(events.ROUTER_CLIENT_DISCONNECTED)] == ["gone"]
-    assert all(b.in_flight == 0 for b in client.backends)
+    assert all(b.in_flight == 0 for b in client.scheduler.backends)
 
 
 async def test_engine_rejection_keeps_status_and_message(engines, pd, logs):

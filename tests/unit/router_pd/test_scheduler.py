@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -11,11 +12,23 @@ from stack.common.config import ConfigError, build
 from stack.common.errors import Overloaded, RateLimited
 from stack.router.backends import Backend, Breaker, PoolConfig, build_pool, check_topology
 from stack.router.scheduler import NoBackendAvailable, Scheduler, SchedulerConfig
+from tests.unit.router_pd.conftest import until
 
 
-def pools(n_decode: int = 2, max_concurrent: int = 8, cooldown_s: float = 30.0) -> dict[str, list[Backend]]:
+def pools(n_decode: int = 2, max_concurrent: int = 8, cooldown_s: float = 30.0,
+          clock: Callable[[], float] = time.monotonic) -> dict[str, list[Backend]]:
     urls = tuple(f"http://10.0.0.{i + 1}:8000" for i in range(n_decode))
-    return {"decode": build_pool(PoolConfig(endpoints=urls, max_concurrent=max_concurrent), "decode", 3, cooldown_s)}
+    return {"decode": build_pool(PoolConfig(endpoints=urls, max_concurrent=max_concurrent), "decode", 3, cooldown_s, clock)}
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 async def test_load_aware_picks_fewest_outstanding_tokens():
@@ -43,8 +56,8 @@ async def test_max_concurrent_makes_requests_wait_for_a_slot():
     a = await scheduler.acquire("decode", 1)
     b = await scheduler.acquire("decode", 1)
     waiter = asyncio.create_task(scheduler.acquire("decode", 1))
-    await asyncio.sleep(0.05)
-    assert not waiter.done() and scheduler.queue_depth == 1
+    await until(lambda: scheduler.queue_depth == 1, "queued")
+    assert not waiter.done()
     assert (a.in_flight, b.in_flight) == (1, 1)
     scheduler.release(b, 1)
     assert await asyncio.wait_for(waiter, 1.0) is b
@@ -56,7 +69,7 @@ async def test_full_queue_answers_429_with_retry_after():
     scheduler = Scheduler(SchedulerConfig(queue_size=1, queue_timeout_ms=5000), pools(1, max_concurrent=1))
     await scheduler.acquire("decode", 1)
     queued = asyncio.create_task(scheduler.acquire("decode", 1))
-    await asyncio.sleep(0.02)
+    await until(lambda: scheduler.queue_depth == 1, "queued")
     with pytest.raises(RateLimited) as caught:
         await scheduler.acquire("decode", 1)
     assert caught.value.code == "queue_full" and int(caught.value.headers["Retry-After"]) >= 1
@@ -82,7 +95,7 @@ async def test_cancelled_waiter_passes_its_wakeup_on():
     holder = await scheduler.acquire("decode", 1)
     first = asyncio.create_task(scheduler.acquire("decode", 1))
     second = asyncio.create_task(scheduler.acquire("decode", 1))
-    await asyncio.sleep(0.02)
+    await until(lambda: scheduler.queue_depth == 2, "both queued")
     scheduler.release(holder, 1)  # wakes `first` …
     first.cancel()  # … which leaves before it runs
     assert await asyncio.wait_for(second, 1.0) is holder
@@ -112,18 +125,21 @@ async def test_down_and_open_backends_are_skipped():
 
 def test_breaker_opens_after_threshold_then_half_opens_and_closes():
     """The breaker opens after N consecutive failures, lets one trial through after the cool-down, closes on success."""
-    breaker = Breaker("http://b:1", threshold=2, cooldown_s=0.05)
+    clock = FakeClock()
+    breaker = Breaker("http://b:1", threshold=2, cooldown_s=5.0, clock=clock)
     breaker.on_failure()
     assert breaker.allows()
     breaker.on_failure()
-    assert breaker.state == "open" and not breaker.allows()
-    time.sleep(0.06)
-    assert breaker.allows() and breaker.state == "half_open"
+    assert breaker.state == "open" and not breaker.allows() and breaker.retry_after_s() == 5.0
+    clock.now += 4.999
+    assert not breaker.allows() and breaker.state == "open"  # not a moment before the cool-down ends
+    clock.now += 0.001
+    assert breaker.allows() and breaker.state == "half_open" and breaker.retry_after_s() == 0.0
     breaker.on_start()
     assert not breaker.allows()  # only one trial at a time
     breaker.on_failure()
-    assert breaker.state == "open"  # a failed trial re-opens at once
-    time.sleep(0.06)
+    assert breaker.state == "open" and breaker.retry_after_s() == 5.0  # a failed trial re-opens at once, for a whole cool-down
+    clock.now += 5.0
     assert breaker.allows()
     breaker.on_start()
     breaker.on_success()
@@ -133,12 +149,15 @@ def test_breaker_opens_after_threshold_then_half_opens_and_closes():
 def test_pool_config_merges_endpoints_and_validates():
     """endpoint and endpoints merge; bad URLs and mismatched address lists name the key."""
     pool = build(PoolConfig, {"endpoint": "http://10.0.0.11:8000", "endpoints": ["http://10.0.0.12:8000", "http://10.0.0.11:8000/"]}, "s.toml")
-    assert pool.urls == ("http://10.0.0.11:8000", "http://10.0.0.12:8000")
-    assert pool.kv_addr(1) == "10.0.0.12:9100" and pool.health_addr(0) == "10.0.0.11:50051"
+    assert pool.urls == ("http://10.0.0.11:8000", "http://10.0.0.12:8000") and pool.health_addr(0) == "10.0.0.11:50051"
     with pytest.raises(ConfigError, match=r"s.toml: decode.endpoint: must be an http\(s\) URL"):
         build(PoolConfig, {"endpoint": "10.0.0.11:8000"}, "s.toml", prefix="decode.")
     with pytest.raises(ConfigError, match=r"kv_addrs: needs one address per endpoint \(1\), got 2"):
-        build(PoolConfig, {"endpoint": "http://a:1", "kv_addrs": ["a:9100", "b:9100"]}, "s.toml")
+        build(PoolConfig, {"endpoint": "http://a:1", "kv_addrs": ["a:9200", "b:9200"]}, "s.toml")
+    assert build(PoolConfig, {"endpoint": "http://a:1", "kv_addrs": ["kv-a"]}, "s.toml").kv_addrs == ("kv-a",)  # a host alone
+    for bad, problem in (("kv a", "must be host or host:port"), ("a:70000", "port must be 1..65535"), ("a:0", "port must be 1..65535")):
+        with pytest.raises(ConfigError, match=rf"decode.kv_addrs\[0\]: {problem}"):
+            build(PoolConfig, {"endpoint": "http://a:1", "kv_addrs": [bad]}, "s.toml", prefix="decode.")
     with pytest.raises(ConfigError, match="max_concurrent: must be > 0"):
         build(PoolConfig, {"endpoint": "http://a:1", "max_concurrent": 0}, "s.toml")
     with pytest.raises(ConfigError, match="identical \\(colocated\\) or disjoint"):
@@ -155,13 +174,57 @@ def test_scheduler_config_rejects_bad_values():
 
 async def test_abandoned_half_open_trial_does_not_block_the_backend():
     """A half-open trial that ends without a verdict (client went away) lets the next trial through."""
-    backends = pools(1, cooldown_s=0.01)
+    clock = FakeClock()
+    backends = pools(1, cooldown_s=10.0, clock=clock)
     (only,) = backends["decode"]
     for _ in range(3):
         only.breaker.on_failure()
-    await asyncio.sleep(0.02)
+    clock.now += 10.0
     scheduler = Scheduler(SchedulerConfig(queue_timeout_ms=100), backends)
     trial = await scheduler.acquire("decode", 1)
     assert only.breaker.state == "half_open" and not only.usable
     scheduler.release(trial, 1)  # no success or failure recorded
     assert await scheduler.acquire("decode", 1) is only
+
+
+async def test_a_backend_joining_wakes_a_waiter_which_takes_it():
+    """add_backend: a request queued because every slot was busy gets the new backend at once, not after a timeout."""
+    scheduler = Scheduler(SchedulerConfig(queue_timeout_ms=5000), pools(1, max_concurrent=1))
+    await scheduler.acquire("decode", 1)
+    waiter = asyncio.create_task(scheduler.acquire("decode", 1))
+    await until(lambda: scheduler.queue_depth == 1, "queued")
+    (joined,) = build_pool(PoolConfig(endpoint="http://10.0.0.9:8000", max_concurrent=1), "decode", 3, 30.0)
+    scheduler.add_backend(joined)
+    assert await asyncio.wait_for(waiter, 1.0) is joined
+    assert joined in scheduler.pool("decode") and scheduler.queue_depth == 0
+
+
+async def test_the_last_backend_leaving_fails_its_waiters_fast():
+    """remove_backend: waiters re-check at once and get 503 naming the role (nothing left to wait for)."""
+    scheduler = Scheduler(SchedulerConfig(queue_timeout_ms=30_000), pools(1, max_concurrent=1))
+    holder = await scheduler.acquire("decode", 1)
+    waiter = asyncio.create_task(scheduler.acquire("decode", 1))
+    await until(lambda: scheduler.queue_depth == 1, "queued")
+    scheduler.remove_backend(holder.url)
+    with pytest.raises(NoBackendAvailable, match="no decode backend is available \\(none configured or registered\\)"):
+        await asyncio.wait_for(waiter, 1.0)  # far below queue_timeout_ms: woken, not timed out
+    assert scheduler.pool("decode") == () and scheduler.queue_depth == 0
+
+
+async def test_marking_backends_down_and_up_wakes_waiters():
+    """mark: a waiter whose only backend goes down fails fast; one waiting while a backend comes up takes it."""
+    scheduler = Scheduler(SchedulerConfig(queue_timeout_ms=30_000), pools(2, max_concurrent=1))
+    busy, idle = await scheduler.acquire("decode", 1), await scheduler.acquire("decode", 1)
+    scheduler.release(idle, 1)
+    assert scheduler.mark(idle, False, "test") and not scheduler.mark(idle, False, "test")  # True only on a change
+    waiter = asyncio.create_task(scheduler.acquire("decode", 1))
+    await until(lambda: scheduler.queue_depth == 1, "queued")
+    assert scheduler.mark(idle, True, "test")
+    assert await asyncio.wait_for(waiter, 1.0) is idle
+    scheduler.release(idle, 1)
+    scheduler.mark(idle, False, "test")
+    doomed = asyncio.create_task(scheduler.acquire("decode", 1))
+    await until(lambda: scheduler.queue_depth == 1, "queued")
+    scheduler.mark(busy, False, "test")
+    with pytest.raises(NoBackendAvailable, match="down: "):
+        await asyncio.wait_for(doomed, 1.0)

@@ -1,8 +1,9 @@
 """Router overhead: the real router process against calling a trivially fast backend directly.
 
-    python -m stack.router.benchmark [--requests 2000] [--concurrency 32] [--stream-tokens 200] [--stream-pace-ms 0] [--pin]
+    python -m benchmarks.router [--requests 2000] [--concurrency 32] [--stream-tokens 200] [--stream-pace-ms 0] [--pin]
 
-One run starts a fake backend (answers at once; prefill legs get kv_transfer_params) on two ports,
+One run starts a fake backend (answers at once; prefill legs get kv_transfer_params; GET /health names
+a KV port, as decode's does) on two ports,
 measures it alone (the machine-speed reference), then each router setup — the full router
 (`python -m stack.router`: auth, limits, usage, PD flow) and a bare PDClient app (the PD flow
 alone), each colocated (one upstream request) and disaggregated (prefill leg + decode leg):
@@ -73,9 +74,14 @@ def _backend_app(tokens: int, pace_ms: float) -> web.Application:
     async def models(_request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
+    async def health(_request: web.Request) -> web.Response:
+        # The router asks decode for its KV port before sending it work; nothing listens there (no KV moves).
+        return web.json_response({"status": "ok", "kv_port": 1})
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", handle)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
     return app
 
 
@@ -84,9 +90,10 @@ def _bare_pd_app(prefill: str, decode: str) -> web.Application:
     from stack.common.errors import error_middleware
     from stack.common.sse import frame, open_stream, send_done
     from stack.router.backends import PoolConfig
+    from stack.router.config import RouterConfig
     from stack.router.metrics import Metrics
     from stack.router.pd import PDClient
-    from stack.router.relay import new_session
+    from stack.router.upstream import new_session
     from stack.router.scheduler import SchedulerConfig
 
     client_key = web.AppKey("pd", PDClient)
@@ -106,8 +113,9 @@ def _bare_pd_app(prefill: str, decode: str) -> web.Application:
 
     async def lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
         async with new_session() as session:
-            pools = PoolConfig(endpoint=prefill, max_concurrent=256), PoolConfig(endpoint=decode, max_concurrent=256)
-            pd = PDClient(*pools, SchedulerConfig(health_interval_ms=0), session, Metrics())
+            config = RouterConfig(prefill=PoolConfig(endpoint=prefill, max_concurrent=256), decode=PoolConfig(endpoint=decode, max_concurrent=256),
+                                  scheduler=SchedulerConfig(health_interval_ms=0))
+            pd = PDClient(config, session, Metrics())
             await pd.start()
             app[client_key] = pd
             yield
@@ -246,7 +254,6 @@ max_concurrent = 256
 [decode]
 endpoint = "{decode}"
 max_concurrent = 256
-kv_addrs = ["127.0.0.1:9100"]
 [scheduler]
 health_interval_ms = 0
 [usage]
@@ -266,7 +273,7 @@ async def run(args: argparse.Namespace) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     results: dict[str, dict[str, float]] = {}
     try:
-        backend = subprocess.Popen([python, "-m", "stack.router.benchmark", "--serve-backend", str(p_port), str(d_port),
+        backend = subprocess.Popen([python, "-m", "benchmarks.router", "--serve-backend", str(p_port), str(d_port),
                                     "--stream-tokens", str(args.stream_tokens), "--stream-pace-ms", str(args.stream_pace_ms)])
         procs.append(backend)
         if args.pin:
@@ -282,7 +289,7 @@ async def run(args: argparse.Namespace) -> int:
             for name, p_url, d_url in setups:
                 port = _free_port()
                 if name.startswith("bare"):
-                    cmd = [python, "-m", "stack.router.benchmark", "--serve-bare", str(port), p_url, d_url,
+                    cmd = [python, "-m", "benchmarks.router", "--serve-bare", str(port), p_url, d_url,
                            "--stream-tokens", str(args.stream_tokens)]
                 else:
                     cmd = [python, "-m", "stack.router", "--config", str(_settings(Path(tmp), p_url, d_url, port, _free_port()))]
@@ -325,7 +332,7 @@ def _report(results: dict[str, dict[str, float]], args: argparse.Namespace) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stack.router.benchmark", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.router", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000, help="non-streamed requests for the capacity phase")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--stream-tokens", type=int, default=200, help="chunks per streamed answer")

@@ -1,0 +1,169 @@
+"""The router's background view of its backends: who is up, where decode takes KV, what the model is called.
+
+    start, then every health_interval_ms: probe every backend (gRPC health for our engines, GET /health for vLLM's)
+        NOT_SERVING or unreachable                 → down at once
+        no answer in time                          → down after health_timeouts_to_down in a row
+        SERVING                                    → up; a pd-push decode first tells its KV address (discovery.py),
+                                                     on every return, and stays down until it has
+    the engines' model id                          → from a decode's /v1/models, once one answers
+    vLLM P2pNccl instances (p2pnccl.py Registry)   → join and leave the pools
+
+Every change goes through the Scheduler (`mark`, `add_backend`, `remove_backend`), which wakes the
+requests waiting on that role. The /metrics backend gauges are read from here at scrape time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+
+import aiohttp
+from loguru import logger
+
+from stack.common.health import NOT_SERVING, SERVING, TIMEOUT, UNREACHABLE, probe_async
+from stack.router.backends import Backend, Breaker
+from stack.router.config import RouterConfig
+from stack.router.discovery import KVAddressUnknown, KVDiscovery
+from stack.router.metrics import GaugeSample, Metrics
+from stack.router.upstream import timeout
+from stack.router.scheduler import Scheduler
+
+_BREAKER_STATE = {"closed": 0, "half_open": 1, "open": 2}
+
+
+class HealthMonitor:
+    """Health probes, KV address discovery, model learning and P2pNccl membership (see the module docstring)."""
+
+    def __init__(self, config: RouterConfig, scheduler: Scheduler, session: aiohttp.ClientSession, metrics: Metrics,
+                 kv: KVDiscovery | None, clock: Callable[[], float] = time.monotonic) -> None:
+        """`kv`: learns pd-push decodes' KV addresses (None: the hand-off needs none); `clock` for joiners' breakers."""
+        self.config = config
+        self.scheduler = scheduler
+        self.session = session
+        self.kv = kv
+        self.model = config.taotoken.model_id  # the engines' model id once learned; the public one until then
+        self._model_learned = False
+        self._clock = clock
+        self._loop: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        metrics.add_gauges({
+            "pd_router_backend_up": "1 if the backend's gRPC health is SERVING (as last probed).",
+            "pd_router_backend_in_flight": "Requests the router has in flight on the backend.",
+            "pd_router_backend_outstanding_tokens": "Prompt + max tokens the router has outstanding on the backend.",
+            "pd_router_backend_circuit": "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
+            "pd_router_queue_depth": "Requests waiting for a backend slot.",
+        }, self._gauges)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """One round before the first request (real states, KV addresses known), the model id, then the loop."""
+        interval_ms = self.config.scheduler.health_interval_ms
+        await self._round(probe=bool(interval_ms))  # without probes: only the KV addresses, once
+        await self._learn_model()
+        if interval_ms:
+            self._loop = asyncio.create_task(self._every(interval_ms / 1000), name="pd-health-monitor")
+
+    async def close(self) -> None:
+        tasks = [*self._background, *([self._loop] if self._loop else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._loop = None
+
+    # -- P2pNccl membership (the Registry's callbacks) -------------------------------------------------
+    def join(self, role: str, url: str, zmq_address: str) -> None:
+        """A registered vLLM P2pNccl instance joins its pool; its health is vLLM's GET /health."""
+        pool, settings = (self.config.prefill if role == "prefill" else self.config.decode), self.config.scheduler
+        breaker = Breaker(url, settings.breaker_failures, settings.breaker_cooldown_ms / 1000, self._clock)
+        self.scheduler.add_backend(Backend(url, role, pool.max_concurrent, f"{url}/health", breaker, "http",  # type: ignore[arg-type]
+                                           kv_addr=zmq_address))
+        if role == "decode" and not self._model_learned:
+            task = asyncio.get_running_loop().create_task(self._learn_model())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    def leave(self, url: str) -> None:
+        """A registered instance stopped pinging."""
+        self.scheduler.remove_backend(url)
+
+    # -- health rounds -----------------------------------------------------------------------------
+    async def _every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self._round(probe=True)
+            except Exception:  # noqa: BLE001 - a probe bug must not silently end health checking
+                logger.opt(exception=True).error("backend health round failed; retrying next interval")
+
+    async def _round(self, probe: bool) -> None:
+        backends = self.scheduler.backends  # a snapshot: P2pNccl instances may join or leave while the probes run
+        probe_timeout = min(2.0, max(0.2, self.config.scheduler.health_interval_ms / 1000))
+        states: list[str | None] = [None] * len(backends)
+        if probe:
+            states = list(await asyncio.gather(*(self._probe(b, probe_timeout) for b in backends)))
+        verdicts: list[tuple[Backend, bool, str]] = []
+        for backend, state in zip(backends, states):
+            if state is not None:
+                backend.probe_timeouts = backend.probe_timeouts + 1 if state == TIMEOUT else 0
+            if state is None or 0 < backend.probe_timeouts < self.config.scheduler.health_timeouts_to_down:
+                verdicts.append((backend, backend.up, "unchanged"))  # not probed, or one slow answer: as it was
+                continue
+            times = f" x{backend.probe_timeouts}" if backend.probe_timeouts else ""
+            verdicts.append((backend, state == SERVING, f"{backend.health_check} health {state}{times} at {backend.health_addr}"))
+        # A decode coming (back) up may listen on another KV port now: ask before it takes requests.
+        asking = [b for b, up, _ in verdicts if up and self._learns_kv(b) and (not b.up or b.kv_addr is None)]
+        unknown = dict(zip(asking, await asyncio.gather(*(self._kv_problem(b) for b in asking))))
+        changed = False
+        for backend, up, reason in verdicts:
+            if unknown.get(backend):
+                up, reason = False, f"KV address unknown: {unknown[backend]}"
+            changed = self.scheduler.mark(backend, up, reason) or changed
+        if changed and not self._model_learned:
+            await self._learn_model()  # the engines were down at start-up
+
+    def _learns_kv(self, backend: Backend) -> bool:
+        return self.kv is not None and backend.role == "decode"
+
+    async def _kv_problem(self, decode: Backend) -> str | None:
+        """None once `decode`'s KV address is known, else why not."""
+        assert self.kv is not None, "KV discovery asked without a discoverer"
+        try:
+            await self.kv.learn(decode)
+        except KVAddressUnknown as exc:
+            return str(exc)
+        return None
+
+    async def _probe(self, backend: Backend, timeout_s: float) -> str:
+        """SERVING, NOT_SERVING, UNREACHABLE or TIMEOUT, over gRPC health or (vLLM engines) GET /health."""
+        if backend.health_check == "grpc":
+            return await probe_async(backend.health_addr, timeout_s)
+        try:
+            async with self.session.get(backend.health_addr, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+                return SERVING if response.status == 200 else NOT_SERVING
+        except asyncio.TimeoutError:
+            return TIMEOUT
+        except aiohttp.ClientError:
+            return UNREACHABLE
+
+    async def _learn_model(self) -> None:
+        """The engines' model id from a decode's /v1/models (the config's model_id until one answers)."""
+        for backend in self.scheduler.pool("decode"):
+            try:
+                async with self.session.get(backend.url + "/v1/models",
+                                            timeout=timeout(self.config.scheduler.connect_timeout_ms, 5000)) as response:
+                    data = await response.json(content_type=None)
+                self.model = data["data"][0]["id"]
+                self._model_learned = True
+                return
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
+                continue
+
+    def _gauges(self) -> Iterable[GaugeSample]:
+        for b in self.scheduler.backends:
+            labels = {"backend": b.url, "role": b.role}
+            yield "pd_router_backend_up", labels, float(b.up)
+            yield "pd_router_backend_in_flight", labels, float(b.in_flight)
+            yield "pd_router_backend_outstanding_tokens", labels, float(b.outstanding_tokens)
+            yield "pd_router_backend_circuit", labels, float(_BREAKER_STATE[b.breaker.state])
+        yield "pd_router_queue_depth", {}, float(self.scheduler.queue_depth)
