@@ -13,7 +13,7 @@ from stack.router import config as router_config
 from stack.router.app import create_app
 
 REPO = Path(__file__).resolve().parents[3]
-SHIPPED = REPO / "stack" / "router" / "settings.toml"
+SHIPPED = REPO / "router" / "settings.toml"
 
 
 def _settings(tmp_path: Path, text: str) -> Path:

@@ -168,7 +168,7 @@ class EngineProcess:
         self.health_addr = f"127.0.0.1:{self.health_port}"
         self.log_path = tmp_path / f"{role}-{self.port}.log"
         source = "decode" if role == "both" else role
-        config = json.loads((REPO / "stack" / source / "config.json").read_text())
+        config = json.loads((REPO / source / "config.json").read_text())
         config["role"] = role
         if role == "both":
             config["kv_transfer_config"].pop("kv_role", None)
