@@ -50,7 +50,8 @@ class Event(str):
     doc: str
     level: str  # the usual level (some events log WARNING or ERROR depending on the case)
     fields: Mapping[str, Field]  # by key, required first
-    names: frozenset[str]  # every field key a line may carry besides BASE_KEYS
+    names: frozenset[str]  # every field key a call may pass
+    line_keys: frozenset[str]  # every key a line may carry: names and BASE_KEYS
     required: frozenset[str]
 
     def __new__(cls, name: str, service: str, doc: str, *, required: Iterable[Field] = (),
@@ -60,6 +61,7 @@ class Event(str):
         self.service, self.doc, self.level = service, doc, level
         self.fields = {f.name: f for f in required + optional}
         self.names = frozenset(self.fields)
+        self.line_keys = self.names | BASE_KEYS
         self.required = frozenset(f.name for f in required)
         assert len(self.fields) == len(required + optional), f"{name}: a field is declared twice"
         assert not self.names & BASE_KEYS, f"{name}: {sorted(self.names & BASE_KEYS)} are on every line already"
@@ -320,6 +322,6 @@ P2PNCCL_BAD_PING = Event("p2pnccl.bad_ping", ROUTER, "a registration not in vLLM
 ALL: Mapping[str, Event] = {value: value for value in dict(globals()).values() if isinstance(value, Event)}
 
 
-def constant_of(event: Event) -> str:
-    """The name of `event`'s constant here (for messages that say which declaration to edit)."""
-    return next(name for name, value in globals().items() if value is event)
+def constant_of(declared: Event | Field) -> str:
+    """The name of an event's or field's constant here (for messages that say which declaration to edit)."""
+    return next(name for name, value in globals().items() if value is declared)
