@@ -1,4 +1,4 @@
-"""Helpers for the doctor unit tests: a one-call diagnosis of bundle files (see the `bundles` fixture)."""
+"""Helpers for the doctor unit tests: a one-call diagnosis of log files (the bundles: see the `bundles` fixture)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from doctor.findings import Context
 from doctor.sources import load_files
 
 
-def diagnose(bundles: Path, *names: str, client: tuple[str, ...] = (), home: Path | None = None,
+def diagnose(*logs: Path | str, client: tuple[Path | str, ...] = (), home: Path | None = None,
              environ: dict | None = None, router_url: str = "http://localhost:8080"):
-    """Run every diagnosis on bundle files → (findings, context)."""
-    loaded = load_files([str(bundles / n) for n in names], [str(bundles / c) for c in client])
-    env = environment.snapshot(home or bundles / "no-home", environ=environ or {}, router_url=router_url)
+    """Run every diagnosis on log files (and client output) → (findings, context); no home unless given."""
+    loaded = load_files([str(p) for p in logs], [str(c) for c in client])
+    env = environment.snapshot(home or Path(logs[0]).parent / "no-home", environ=environ or {}, router_url=router_url)
     ctx = Context.build(loaded.records, env, loaded.stats)
     return run_checks(ctx), ctx
 

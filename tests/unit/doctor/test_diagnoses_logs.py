@@ -14,7 +14,7 @@ def services(finding) -> set[str]:
 @pytest.mark.parametrize("bundle", ["healthy_v2ts.log", "healthy_v1.log", "healthy_split"])
 def test_healthy_stack_gives_no_finding_and_says_so(bundles, bundle):
     """A working stack (any compose format, skewed clock, garbage lines) yields only the healthy summary."""
-    findings, ctx = diagnose(bundles, bundle)
+    findings, ctx = diagnose(bundles / bundle)
     assert [f.id for f in findings] == ["healthy"]
     assert findings[0].title == "healthy: 5 requests went router → prefill → KV → decode"
     assert findings[0].severity == "ok"
@@ -22,7 +22,7 @@ def test_healthy_stack_gives_no_finding_and_says_so(bundles, bundle):
 
 def test_router_started_without_key(bundles):
     """auth.key_missing at start + no_keys_configured rejections → the env var was not injected."""
-    findings, _ = diagnose(bundles, "router_key_missing.log")
+    findings, _ = diagnose(bundles / "router_key_missing.log")
     f = by_id(findings, "auth.router_key_missing")
     assert f.severity == "error"
     assert "TAOTOKEN_API_KEY" in f.title
@@ -34,7 +34,7 @@ def test_router_started_without_key(bundles):
 
 def test_each_401_reason_and_quota_told_from_rate_limit(bundles):
     """Missing header, whitespace and unknown key are separate findings; quota is an error, rate a warning."""
-    findings, _ = diagnose(bundles, "auth_mixed.log")
+    findings, _ = diagnose(bundles / "auth_mixed.log")
     ids = {f.id: f for f in findings}
     assert set(ids) == {"auth.no_header", "auth.key_whitespace", "auth.unknown_key", "limit.quota_exhausted",
                         "limit.rate_limited"}
@@ -48,14 +48,14 @@ def test_each_401_reason_and_quota_told_from_rate_limit(bundles):
 
 def test_pasted_401_without_router_rejection_is_not_from_the_router(bundles):
     """A client 401 while the router rejected nothing → the request went to another server."""
-    findings, _ = diagnose(bundles, "healthy_v2ts.log", client=("client_openai_401.txt",))
+    findings, _ = diagnose(bundles / "healthy_v2ts.log", client=(bundles / "client_openai_401.txt",))
     f = by_id(findings, "auth.not_from_router")
     assert "client" in services(f)
 
 
 def test_decode_failed_after_successful_prefill(bundles):
     """router.prefill_done then decode 500 → evidence from the router and from decode, with the client's KeyError."""
-    findings, _ = diagnose(bundles, "decode_failed.log", client=("client_keyerror.txt",))
+    findings, _ = diagnose(bundles / "decode_failed.log", client=(bundles / "client_keyerror.txt",))
     f = by_id(findings, "choices.decode_failed")
     assert services(f) == {"client", "router", "decode"}
     assert any('"router.prefill_done"' in e.line for e in f.evidence)
@@ -67,14 +67,14 @@ def test_decode_failed_after_successful_prefill(bundles):
 
 def test_keyerror_on_an_error_body_names_the_status(bundles):
     """A KeyError: 'choices' next to 401s → an error body reached the client; the statuses are named."""
-    findings, _ = diagnose(bundles, "auth_mixed.log", client=("client_keyerror.txt",))
+    findings, _ = diagnose(bundles / "auth_mixed.log", client=(bundles / "client_keyerror.txt",))
     f = by_id(findings, "choices.error_body")
     assert "401 ×4" in f.title and "429 ×2" in f.title
 
 
 def test_stream_cut_mid_way_has_no_done(bundles):
     """router.decode_failed mid_stream=true → a stream without [DONE]."""
-    findings, _ = diagnose(bundles, "stream_cut.log")
+    findings, _ = diagnose(bundles / "stream_cut.log")
     f = by_id(findings, "choices.stream_without_done")
     assert services(f) == {"router", "decode"}
     assert any(e.service == "decode" and "http.error" in e.line for e in f.evidence)
@@ -82,7 +82,7 @@ def test_stream_cut_mid_way_has_no_done(bundles):
 
 def test_index_error_on_usage_chunk(bundles):
     """IndexError with a stream that ended with a usage chunk → the client must skip empty choices."""
-    findings, _ = diagnose(bundles, "usage_chunk.log", client=("client_index_error.txt",))
+    findings, _ = diagnose(bundles / "usage_chunk.log", client=(bundles / "client_index_error.txt",))
     f = by_id(findings, "choices.empty_choices_chunk")
     assert f.severity == "warning"
     assert "if not chunk.choices: continue" in f.fix
@@ -90,7 +90,7 @@ def test_index_error_on_usage_chunk(bundles):
 
 def test_kv_port_mismatch(bundles):
     """connect refused to decode:9100 while decode listens on 9200 → kv_port mismatch, both ports named."""
-    findings, _ = diagnose(bundles, "kv_port_mismatch.log")
+    findings, _ = diagnose(bundles / "kv_port_mismatch.log")
     f = by_id(findings, "kv.port_mismatch")
     assert "decode:9100" in f.title and "9200" in f.title
     assert {"prefill", "decode", "router"} <= services(f)
@@ -100,7 +100,7 @@ def test_kv_port_mismatch(bundles):
 
 def test_kv_port_unreachable_is_a_network_problem(bundles):
     """connect timed out → unreachable (network), not a port mismatch."""
-    findings, _ = diagnose(bundles, "kv_unreachable.log")
+    findings, _ = diagnose(bundles / "kv_unreachable.log")
     f = by_id(findings, "kv.unreachable")
     assert "socket.create_connection(('decode', 9100)" in f.fix
     assert "kv.port_mismatch" not in {x.id for x in findings}
@@ -108,7 +108,7 @@ def test_kv_port_unreachable_is_a_network_problem(bundles):
 
 def test_kv_buffer_too_small_only_for_long_prompts(bundles):
     """buffer_full names both numbers and the failed prompt sizes vs the largest that succeeded."""
-    findings, _ = diagnose(bundles, "kv_buffer_full.log")
+    findings, _ = diagnose(bundles / "kv_buffer_full.log")
     f = by_id(findings, "kv.buffer_too_small")
     assert "8192000 bytes > 262144 bytes" in f.title
     assert "Failed prompts: 1800, 4000 tokens" in f.cause
@@ -119,7 +119,7 @@ def test_kv_buffer_too_small_only_for_long_prompts(bundles):
 
 def test_decode_timeout_without_a_push(bundles):
     """kv_consumer.timeout with no kv_producer.sent for the transfer → prefill never sent."""
-    findings, _ = diagnose(bundles, "kv_timeout.log")
+    findings, _ = diagnose(bundles / "kv_timeout.log")
     f = by_id(findings, "kv.timeout_never_sent")
     assert "decode" in services(f)
     assert "5000 ms" in f.title
@@ -127,7 +127,7 @@ def test_decode_timeout_without_a_push(bundles):
 
 def test_model_version_mismatch(bundles):
     """A fingerprint mismatch names both model versions."""
-    findings, _ = diagnose(bundles, "kv_model_mismatch.log")
+    findings, _ = diagnose(bundles / "kv_model_mismatch.log")
     f = by_id(findings, "kv.model_mismatch")
     assert "llama-tiny-seed1-77d0b3c1" in f.cause and "llama-tiny-seed0-4c1f9a2e" in f.cause
     assert {"prefill", "decode"} <= services(f)
@@ -135,7 +135,7 @@ def test_model_version_mismatch(bundles):
 
 def test_router_not_running(bundles):
     """Only engine lines and a client connection error → the router is not running."""
-    findings, _ = diagnose(bundles, "router_down.log", client=("client_codex_disconnect.txt",))
+    findings, _ = diagnose(bundles / "router_down.log", client=(bundles / "client_codex_disconnect.txt",))
     f = by_id(findings, "router.not_running")
     assert "client" in services(f)
     assert "docker compose up -d router" in f.fix
@@ -143,7 +143,7 @@ def test_router_not_running(bundles):
 
 def test_client_error_not_in_router_log(bundles):
     """CC Switch 'local proxy failed' while the router saw only other requests → cannot reach the router."""
-    findings, _ = diagnose(bundles, "healthy_v1.log", client=("client_ccswitch.txt",))
+    findings, _ = diagnose(bundles / "healthy_v1.log", client=(bundles / "client_ccswitch.txt",))
     f = by_id(findings, "client.cannot_reach_router")
     assert "CC Switch" in f.cause
     assert {"client", "router"} == services(f)
@@ -151,21 +151,21 @@ def test_client_error_not_in_router_log(bundles):
 
 def test_oauth_expired_pasted(bundles):
     """'OAuth token has expired' → the client uses its own OAuth login, fix names the router and the env var."""
-    findings, _ = diagnose(bundles, "healthy_v1.log", client=("client_oauth_expired.txt",))
+    findings, _ = diagnose(bundles / "healthy_v1.log", client=(bundles / "client_oauth_expired.txt",))
     f = by_id(findings, "oauth.token_expired")
     assert "http://localhost:8080" in f.fix and "TAOTOKEN_API_KEY" in f.fix
 
 
 def test_recorded_healthy_stack(bundles):
     """Logs really printed by a compose stack (3 streamed requests, health probes) → healthy, probes not counted."""
-    findings, ctx = diagnose(bundles, "recorded_healthy.log")
+    findings, ctx = diagnose(bundles / "recorded_healthy.log")
     assert [f.title for f in findings] == ["healthy: 3 requests went router → prefill → KV → decode"]
     assert len(ctx.timelines) == 3
 
 
 def test_recorded_kv_port_mismatch(bundles):
     """Logs really printed after decode was recreated with kv_port 9200 → kv.port_mismatch and nothing else."""
-    findings, _ = diagnose(bundles, "recorded_kv_port.log")
+    findings, _ = diagnose(bundles / "recorded_kv_port.log")
     assert [f.id for f in findings] == ["kv.port_mismatch"]
     f = findings[0]
     assert f.request_ids == ("rec-kvport-0",)
