@@ -10,9 +10,9 @@ token) are replaced by `[REDACTED]` before a line reaches the sink.
 
 Each call is checked against its event's declaration in stack/common/events.py (two set
 comparisons). With PD_LOG_STRICT=1 (the tests set it in tests/conftest.py) an unknown event, an
-undeclared or missing field, or a value of the wrong type raises EventDeclarationError; otherwise
-the line is written as given and one `log.fields_mismatch` warning per event and problem says what
-drifted — logging never fails a request in production.
+undeclared or missing field, or a value of the wrong type raises EventDeclarationError. Otherwise
+(production; value types unchecked) the line is written as given and one `log.fields_mismatch`
+warning per event and problem says what drifted: logging never fails a request.
 
 `log_event` builds its line directly: it runs several times per request on the router's hot path,
 and loguru's record machinery cost about 20 µs a line, a fifth of the router's CPU per request.
@@ -187,7 +187,7 @@ _reported: set[tuple[str, str]] = set()  # (event, problem) already warned about
 
 def _check(event: str, declared: events.Event | None, fields: dict[str, Any], where: FrameType | str) -> None:
     """Say what differs from the declaration, precisely enough to fix it: raise (strict) or warn once."""
-    problem = _problem(event, declared, fields)
+    problem = _problem(event, declared, fields, types=_Output.strict)
     if problem is None:
         return
     if isinstance(where, FrameType):
@@ -201,13 +201,15 @@ def _check(event: str, declared: events.Event | None, fields: dict[str, Any], wh
             _write("WARNING", events.LOG_FIELDS_MISMATCH, _request_id.get(), message, {"for_event": event, "problem": problem})
 
 
-def _problem(event: str, declared: events.Event | None, fields: dict[str, Any]) -> str | None:
+def _problem(event: str, declared: events.Event | None, fields: dict[str, Any], types: bool) -> str | None:
+    """What differs, by field name (and, with `types`, by value: strict mode only, so that production's
+    warnings stay one per event and problem whatever the values)."""
     if declared is None:
         return (f"unknown event {event!r}: declare it in stack/common/events.py, e.g. "
                 f"NAME = Event({event!r}, <service>, <when it is logged>, required=(…))")
     undeclared, missing = declared.problems(fields)
     wrong = [f"{name}={value!r} is not {field.type.__name__}" for name, value in fields.items()
-             if (field := declared.fields.get(name)) is not None and not field.accepts(value)]
+             if types and (field := declared.fields.get(name)) is not None and not field.accepts(value)]
     if not (undeclared or missing or wrong):
         return None
     said = ([f"undeclared field(s) {', '.join(undeclared)}"] if undeclared else []) + \

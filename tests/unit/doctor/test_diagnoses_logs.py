@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from stack.common import events
 from tests.unit.doctor.helpers import by_id, diagnose
+from tests.unit.doctor.scenarios import Log
 
 
 def services(finding) -> set[str]:
@@ -170,3 +172,15 @@ def test_recorded_kv_port_mismatch(bundles):
     f = findings[0]
     assert f.request_ids == ("rec-kvport-0",)
     assert {"router", "prefill", "decode"} == services(f)
+
+
+def test_kv_cut_mid_payload_without_any_port_in_the_logs_says_the_port_is_unknown(tmp_path):
+    """Transfers cut mid-payload and no line naming decode's KV port → no guessed port: the fix asks decode for it."""
+    log = Log()
+    log.ev("decode", events.KV_CONSUMER_INCOMPLETE, "KV connection from 172.18.0.3:41822 closed after 4096 of 81920 "
+           "payload bytes", "req-cut", transfer_id="kv-cut", received=4096, bytes=81920, peer="172.18.0.3:41822")
+    log.write(tmp_path / "decode.log", "v2")
+    findings, _ = diagnose(tmp_path / "decode.log")
+    f = by_id(findings, "kv.unreachable")
+    assert "decode's KV port is not in these logs" in f.fix and "/health" in f.fix
+    assert "9100" not in f.fix
