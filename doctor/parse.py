@@ -217,7 +217,7 @@ def _undeclared(stats: ParseStats, declared: events.Event | None, event: str, ke
         if declared is None:
             stats.undeclared_examples.append(f"{where}: unknown event {event!r}")
         else:
-            undeclared, missing = declared.problems(keys)
+            undeclared, missing = declared.problems(set(keys) - events.BASE_KEYS)
             stats.undeclared_examples.append(f"{where}: {event}" + (f" undeclared {', '.join(undeclared)}" if undeclared else "")
                                              + (f" missing {', '.join(missing)}" if missing else ""))
 

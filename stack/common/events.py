@@ -68,8 +68,8 @@ class Event(str):
         return self
 
     def problems(self, keys: Iterable[str]) -> tuple[list[str], list[str]]:
-        """(undeclared, missing) field keys of a call or a line: what differs from this declaration."""
-        present = set(keys) - BASE_KEYS
+        """(undeclared, missing) keys of a call's fields (or of a line's, BASE_KEYS removed) against this declaration."""
+        present = set(keys)
         return sorted(present - self.names), sorted(self.required - present)
 
 
