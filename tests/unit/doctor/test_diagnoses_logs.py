@@ -97,6 +97,7 @@ def test_kv_port_mismatch(bundles):
     assert "decode:9100" in f.title and "9200" in f.title
     assert {"prefill", "decode", "router"} <= services(f)
     assert any("kv_consumer.listening" in e.line for e in f.evidence)
+    assert "KV_TRANSFER_PORT=9200 in .env" in f.fix and "decode/config.json" in f.fix
     assert [x.id for x in findings] == ["kv.port_mismatch"]  # the decode timeouts are folded in
 
 
@@ -184,3 +185,11 @@ def test_kv_cut_mid_payload_without_any_port_in_the_logs_says_the_port_is_unknow
     f = by_id(findings, "kv.unreachable")
     assert "decode's KV port is not in these logs" in f.fix and "/health" in f.fix
     assert "9100" not in f.fix
+
+
+@pytest.mark.parametrize("bundle", ["auth_mixed.log", "decode_failed.log", "kv_buffer_full.log", "kv_model_mismatch.log",
+                                    "kv_port_mismatch.log", "kv_timeout.log", "kv_unreachable.log", "stream_cut.log"])
+def test_fixes_name_the_config_files_where_they_live(bundles, bundle):
+    """Fix texts point at prefill/, decode/ and router/ at the top of the checkout, not at files inside stack/."""
+    findings, _ = diagnose(bundles / bundle)
+    assert not [f.id for f in findings if "stack/" in f.fix or "stack/" in f.cause]
