@@ -175,7 +175,9 @@ def log_event(event: str, msg: str, level: str = "INFO", **fields: Any) -> None:
     request_id = fields.pop("request_id", None)
     declared = events.ALL.get(event)
     keys = fields.keys()
-    if declared is None or not (keys <= declared.names and keys >= declared.required) or _Output.strict:
+    # Most calls pass every declared field: one set comparison; the others take two.
+    if declared is None or not (keys == declared.names or keys <= declared.names and keys >= declared.required) \
+            or _Output.strict:
         _check(event, declared, fields, sys._getframe(1))
     if _LEVELS[level] < _Output.min_level:
         return
