@@ -16,7 +16,8 @@ from typing import Sequence, TextIO
 
 from doctor import environment, render, sources
 from doctor.errors import DoctorError
-from doctor.findings import Context, Finding, registry, run_checks
+from doctor.checks import REGISTRY, STALLED, run_checks
+from doctor.findings import Context, Finding
 
 EPILOG = "exit codes: 0 no failure (warnings too, unless --strict), 1 findings, 2 the doctor could not run"
 
@@ -67,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def diagnose(args: argparse.Namespace, stdin: TextIO | None = None) -> tuple[list[Finding], dict]:
-    known = {check.id for check in registry()} | {"stalled"}
+    known = {check.id for check in REGISTRY} | {STALLED}
     unknown = sorted(set(args.check) - known)
     if unknown:
         raise DoctorError(f"--check {', '.join(unknown)}: unknown (known: {', '.join(sorted(known))})")
@@ -97,6 +98,7 @@ def diagnose(args: argparse.Namespace, stdin: TextIO | None = None) -> tuple[lis
         "records": loaded.stats.records,
         "unreadable": loaded.stats.unreadable,
         "ignored": loaded.stats.ignored,
+        "undeclared": loaded.stats.undeclared,  # lines whose event or fields differ from stack/common/events.py
         "requests": len(ctx.timelines),
         "complete": sum(t.complete for t in ctx.timelines.values()),
     }
@@ -111,7 +113,7 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
     except SystemExit as exc:  # argparse exits 2 on bad usage, 0 on --help
         return int(exc.code or 0)
     if getattr(args, "list_checks", False):
-        for check in registry():
+        for check in REGISTRY:
             out.write(f"{check.id:<12} {check.summary}\n")
         return 0
     try:

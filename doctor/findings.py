@@ -1,14 +1,10 @@
-"""Findings, the context every check reads, and the registry that runs the checks.
-
-A check is a pure function `check(ctx) -> list[Finding]` in its own module under `doctor/checks/`;
-the registry below lists them in the order reports are printed (router side first).
-"""
+"""Findings and the context every check reads (the checks and their registry: doctor/checks/)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Callable, Iterable
+from typing import Iterable
 
 from doctor.environment import Environment
 from doctor.parse import CLIENT, ParseStats, Record
@@ -123,48 +119,6 @@ class Context:
     def client_kinds(self, *kinds: str) -> list[Record]:
         wanted = {f"client.{k}" for k in kinds}
         return [r for r in self.client if r.event in wanted]
-
-
-@dataclass(frozen=True)
-class Check:
-    id: str
-    summary: str
-    run: Callable[[Context], list[Finding]]
-
-
-def registry() -> tuple[Check, ...]:
-    """Every diagnosis, in report order. `healthy` and `stalled` are decided after the others."""
-    from doctor.checks import auth_401, choices_parse, kv_transfer, local_proxy, oauth, p2pnccl
-
-    return (
-        Check("auth", "401s, missing router key, quota vs rate limit", auth_401.check),
-        Check("local_proxy", "client cannot reach the router (proxy variables, base URL, router down)",
-              local_proxy.check),
-        Check("oauth", "Claude Code / Codex configured for OAuth instead of the router key", oauth.check),
-        Check("choices", "error bodies, failed decodes, empty choices, streams without [DONE]",
-              choices_parse.check),
-        Check("kv_transfer", "KV port mismatch, unreachable KV port, buffer too small, timeouts, model mismatch",
-              kv_transfer.check),
-        Check("p2pnccl", "vLLM P2pNccl engines not registered with the router, dropped, or pinging another format",
-              p2pnccl.check),
-    )
-
-
-def run_checks(ctx: Context, only: Iterable[str] = ()) -> list[Finding]:
-    """Run the registered checks; add stalled requests nobody explained; say healthy when clean."""
-    from doctor.checks import healthy, stalled
-
-    wanted = set(only)
-    results: list[Finding] = []
-    for check in registry():
-        if not wanted or check.id in wanted:
-            results.extend(check.run(ctx))
-    if not wanted or "stalled" in wanted:
-        explained = {rid for f in results for rid in f.request_ids}
-        results.extend(stalled.check(ctx, explained))
-    if not any(f.severity != "ok" for f in results):
-        results.extend(healthy.check(ctx))
-    return results
 
 
 def worst(findings: Iterable[Finding]) -> str:

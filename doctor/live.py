@@ -28,15 +28,18 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from doctor import environment, sources
-from doctor.checks import local_proxy, oauth
+from doctor.checks import local_proxy, oauth, run_checks
 from doctor.errors import DoctorError
-from doctor.findings import Context, Finding, finding, run_checks
+from doctor.findings import Context, Finding, finding
+from doctor.parse import parse_lines
 from stack.common import events
 
 KEY_VAR = "TAOTOKEN_API_KEY"
 ENGINE_HEALTH_PORT = 50051
 ROUTER_HEALTH_PORT = 50052
-DEFAULT_KV_PORT = 9100
+# Asked inside the decode container: its /health reports the port its KV listener is bound to.
+HEALTH_KV_PORT = ("import json, urllib.request; "
+                  "print(json.load(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=3))['kv_port'])")
 
 
 def ok(id: str, title: str) -> Finding:
@@ -226,30 +229,33 @@ def probe_engines(stack: Stack) -> list[Finding]:
     return found
 
 
-def kv_port_of(stack: Stack) -> int:
-    """decode's KV port from its kv_consumer.listening line (else the default)."""
-    if "decode" not in stack.containers:
-        return DEFAULT_KV_PORT
+def kv_port_of(stack: Stack) -> int | None:
+    """decode's own KV port: its last kv_consumer.listening line, else its /health; None when it says neither."""
     text = stack.containers["decode"].logs().decode("utf-8", "replace")
-    for line in reversed(text.splitlines()):
-        if events.KV_CONSUMER_LISTENING in line:
-            match = re.search(r'"kv_port":\s*(\d+)', line)
-            if match:
-                return int(match.group(1))
-    return DEFAULT_KV_PORT
+    records, _ = parse_lines(text.splitlines(), "docker:decode", service_hint="decode")
+    listening = [r for r in records if r.event == events.KV_CONSUMER_LISTENING and r[events.KV_PORT] is not None]
+    if listening:
+        return listening[-1][events.KV_PORT]
+    rc, out = stack.exec("decode", ["python", "-c", HEALTH_KV_PORT])
+    return int(out) if rc == 0 and out.isdigit() else None
 
 
 def probe_kv_port(stack: Stack) -> list[Finding]:
     if not {"prefill", "decode"} <= set(stack.containers):
         return []
     port = kv_port_of(stack)
+    if port is None:
+        return [problem("kv.reachable", "error", "decode's KV port is unknown: no kv_consumer.listening line, no kv_port "
+                        "on its /health", "Decode has not started its KV listener (not a KV consumer, or it failed "
+                        "at start), so prefill has nowhere to push KV.",
+                        f"docker compose -p {stack.project} logs decode; check kv_transfer_config in decode/config.json")]
     code = f"import socket; socket.create_connection(('decode', {port}), 3); print('ok')"
     rc, out = stack.exec("prefill", ["python", "-c", code])
     if rc == 0:
         return [ok("kv.reachable", f"prefill reaches decode's KV port {port}")]
     return [problem("kv.reachable", "error", f"prefill cannot reach decode:{port}: {out.splitlines()[-1] if out else rc}",
                     "The KV push from prefill to decode will fail (timeouts on decode).",
-                    f"docker network inspect {stack.project}_kv; check kv_port in stack/decode/config.json")]
+                    f"docker network inspect {stack.project}_kv; check kv_transfer_config.kv_port in decode/config.json")]
 
 
 def check(args: argparse.Namespace) -> tuple[list[Finding], dict]:
@@ -316,7 +322,7 @@ def verify(args: argparse.Namespace, stack: Stack | None = None, model: str | No
             return [ok("verify", f"verified: request {rid} went router → engine (colocated; no KV transfer): {what}")], summary
         sent = timeline.first(events.KV_PRODUCER_SENT)
         got = timeline.first(events.KV_CONSUMER_RECEIVED, events.KV_CONSUMER_CLAIMED)
-        detail = (f"{sent.get('num_tokens')} tokens, {sent.get('bytes')} bytes in {sent.get('transfer_ms')} ms"
+        detail = (f"{sent[events.NUM_TOKENS]} tokens, {sent[events.BYTES]} bytes in {sent[events.TRANSFER_MS]} ms"
                   if sent else "")
         evidence = [r for r in (timeline.first(events.ROUTER_REQUEST_RECEIVED), sent, got,
                                 timeline.first(events.ROUTER_REQUEST_DONE)) if r is not None]

@@ -6,7 +6,10 @@ A line may arrive as
     proj_router_1 | 2026-11-29T20:31:55.123456789Z {"ts": …}                         compose v1, --timestamps
     openai.AuthenticationError: Error code: 401 - {'error': …}                       a client error, pasted
 Anything else (tracebacks, binary noise, truncated JSON) is counted in `ParseStats.unreadable` and
-skipped: one bad line never stops a diagnosis.
+skipped: one bad line never stops a diagnosis. Service lines are compared with their event's
+declaration in stack/common/events.py: a line of an unknown event, or with undeclared or missing
+fields (another version of the stack?), is still read, and counted in `ParseStats.undeclared`.
+Checks read a record's fields through the declared `Field` constants: `record[events.KV_PORT]`.
 
 Speed: a JSON line costs one `json.loads` plus a few dict lookups; the prefix regex only runs on
 lines that do not start with `{`, and client-error patterns only on lines that are not JSON.
@@ -19,7 +22,9 @@ import json
 import json.scanner
 import re
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
+
+from stack.common import events
 
 SERVICES = ("router", "prefill", "decode", "engine")
 CLIENT = "client"
@@ -80,8 +85,16 @@ class Record:
     origin: str  # "file:lineno" (or "docker:<service>:lineno", "stdin:lineno")
     hop: int = 4  # position on the request path: HOP_RANK of the service
 
-    def get(self, key: str, default=None):
-        return self.data.get(key, default)
+    def __getitem__(self, field: events.Field) -> Any:
+        """`field` of this record's event, which must declare it (None when absent or of another type)."""
+        declared = events.ALL.get(self.event)
+        assert declared is not None and declared.fields.get(field.name) is field, \
+            f"{self.event} declares no field {events.constant_of(field)}: see stack/common/events.py"
+        return field.of(self.data)
+
+    def get(self, field: events.Field) -> Any:
+        """`field` when this record has it, whatever its event (for scans across events)."""
+        return field.of(self.data)
 
 
 @dataclass
@@ -90,14 +103,18 @@ class ParseStats:
     records: int = 0
     unreadable: int = 0
     ignored: int = 0  # readable but not ours (a service's plain traceback line, client output around an error)
+    undeclared: int = 0  # read, but its event or fields differ from stack/common/events.py
     unreadable_examples: list[str] = field(default_factory=list)
+    undeclared_examples: list[str] = field(default_factory=list)
 
     def merge(self, other: ParseStats) -> None:
         self.lines += other.lines
         self.records += other.records
         self.unreadable += other.unreadable
         self.ignored += other.ignored
+        self.undeclared += other.undeclared
         self.unreadable_examples.extend(other.unreadable_examples[: 3 - len(self.unreadable_examples)])
+        self.undeclared_examples.extend(other.undeclared_examples[: 3 - len(self.undeclared_examples)])
 
 
 @functools.lru_cache(maxsize=256)
@@ -135,6 +152,7 @@ def parse_lines(
     append = records.append
     prefixes: dict[str, str | None] = {}  # raw prefix text → service (None: not a compose prefix)
     hop_rank = HOP_RANK.get
+    declared_events = events.ALL.get
     for lineno, raw in enumerate(lines, 1):
         text = raw.rstrip("\r\n")
         if not text or text.isspace():
@@ -165,9 +183,14 @@ def parse_lines(
                 obj, end = None, 0
             if isinstance(obj, dict) and "event" in obj and (end == len(text) or text[end:].isspace()):
                 who = obj.get("service") or service or "?"
-                append(Record(who, obj.get("ts") or "", obj["event"], obj.get("request_id") or "-",
+                event = obj["event"]
+                append(Record(who, obj.get("ts") or "", event, obj.get("request_id") or "-",
                               obj.get("level") or "", obj.get("msg") or "", obj, text, f"{origin}:{lineno}",
                               hop_rank(who, 4)))
+                declared = declared_events(event)
+                keys = obj.keys()
+                if declared is None or not (keys <= declared.line_keys and keys >= declared.required):
+                    _undeclared(stats, declared, event, keys, f"{origin}:{lineno}")
                 continue
             if obj is None or end != len(text):  # truncated or corrupt JSON: not a client error either
                 stats.unreadable += 1
@@ -186,6 +209,17 @@ def parse_lines(
                 stats.unreadable_examples.append(f"{where}: {text[:80]!r}")
     stats.records = len(records)
     return records, stats
+
+
+def _undeclared(stats: ParseStats, declared: events.Event | None, event: str, keys: Iterable[str], where: str) -> None:
+    stats.undeclared += 1
+    if len(stats.undeclared_examples) < 3:
+        if declared is None:
+            stats.undeclared_examples.append(f"{where}: unknown event {event!r}")
+        else:
+            undeclared, missing = declared.problems(set(keys) - events.BASE_KEYS)
+            stats.undeclared_examples.append(f"{where}: {event}" + (f" undeclared {', '.join(undeclared)}" if undeclared else "")
+                                             + (f" missing {', '.join(missing)}" if missing else ""))
 
 
 def _client_record(text: str, where: str) -> Record | None:

@@ -13,7 +13,7 @@ JSON (`--json`, schema_version 1; fields are only ever added, never renamed or r
       "problems": 2,                               # warnings + errors
       "counts": {"ok": 0, "warning": 1, "error": 1},
       "input": {"sources": ["logs/router.log", …], "lines": 1200, "records": 1180, "unreadable": 3,
-                "ignored": 17, "requests": 40, "complete": 38},
+                "ignored": 17, "undeclared": 0, "requests": 40, "complete": 38},
       "findings": [
         {"id": "kv.port_mismatch", "severity": "error", "title": "…", "cause": "…", "fix": "…",
          "request_ids": ["3f9c…"],
@@ -79,6 +79,9 @@ def render_text(findings: list[Finding], style: Style, input_summary: dict, comm
                    f"{input_summary.get('records', 0)} events, {input_summary.get('requests', 0)} requests "
                    f"({input_summary.get('complete', 0)} complete), {input_summary.get('unreadable', 0)} "
                    "unreadable lines skipped")
+        if input_summary.get("undeclared"):
+            out.append(f"{input_summary['undeclared']} lines differ from this doctor's event declarations (another "
+                       "version of the stack?); read anyway")
     for f in findings:
         out.append(f"{_mark(f.severity, style)} {f.title}")
         if not style.verbose or f.severity == "ok" and not f.request_ids:

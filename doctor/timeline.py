@@ -35,7 +35,7 @@ class Timeline:
     @cached_property
     def colocated(self) -> bool:
         scheduled = self.first(events.ROUTER_SCHEDULED)
-        if scheduled is not None and scheduled.get("mode") == "colocated":
+        if scheduled is not None and scheduled[events.MODE] == "colocated":
             return True
         return any(r.service == "engine" for r in self.records)
 
@@ -43,11 +43,11 @@ class Timeline:
     def status(self) -> int | None:
         """What the router answered the client (request_done, else its access line)."""
         done = self.first(events.ROUTER_REQUEST_DONE)
-        if done is not None and isinstance(done.get("status"), int):
-            return done.get("status")
+        if done is not None and done[events.STATUS] is not None:
+            return done[events.STATUS]
         for r in self.records:
-            if r.service == "router" and r.event == events.HTTP_ACCESS and isinstance(r.get("status"), int):
-                return r.get("status")
+            if r.service == "router" and r.event == events.HTTP_ACCESS and r[events.STATUS] is not None:
+                return r[events.STATUS]
         return None
 
     @cached_property
@@ -66,9 +66,9 @@ class Timeline:
             hops.append("decode")
         status = self.status
         # A failed leg that the router retried elsewhere still ends well; a cut stream does not.
-        cut = any(r.get("mid_stream") is True for r in self.events(events.ROUTER_DECODE_FAILED))
+        cut = any(r[events.MID_STREAM] is True for r in self.events(events.ROUTER_DECODE_FAILED))
         done = self.first(events.ROUTER_REQUEST_DONE)
-        if status is not None and status < 400 and not cut and not (done is not None and done.get("error")):
+        if status is not None and status < 400 and not cut and not (done is not None and done[events.ERROR]):
             hops.append("done")
         return tuple(hops)
 
@@ -106,14 +106,14 @@ def build_timelines(records: list[Record]) -> tuple[dict[str, Timeline], list[Re
             if timeline is None:
                 timeline = timelines[r.request_id] = Timeline(r.request_id)
             timeline.records.append(r)
-            transfer = r.data.get("transfer_id")
+            transfer = r.get(events.TRANSFER_ID)
             if transfer:
                 transfer_owner[transfer] = r.request_id
         else:
             loose.append(r)
     background: list[Record] = []
     for r in loose:
-        owner = transfer_owner.get(r.data.get("transfer_id") or "")
+        owner = transfer_owner.get(r.get(events.TRANSFER_ID) or "")
         if owner is not None:
             timelines[owner].records.append(r)
         else:

@@ -9,6 +9,9 @@ import pytest
 
 # Ryuk's image cannot be pulled where there is no registry; compose tests clean up themselves.
 os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
+# A log call whose fields differ from its event's declaration raises in tests (stack.common.logging's
+# STRICT_ENV). Set before anything imports stack; the services tests start as subprocesses inherit it.
+os.environ.setdefault("PD_LOG_STRICT", "1")
 
 
 @pytest.fixture

@@ -18,9 +18,8 @@ CLIENT_KEY_VARS = ("TAOTOKEN_API_KEY", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "A
 
 def key_env_name(ctx: Context) -> str:
     for r in ctx.by_event(events.AUTH_KEY_MISSING):
-        for field in ("env_var", "api_key_env"):
-            if isinstance(r.get(field), str):
-                return r.get(field)
+        if r[events.ENV_VAR]:
+            return r[events.ENV_VAR]
     return DEFAULT_KEY_ENV
 
 
@@ -28,7 +27,7 @@ def check(ctx: Context) -> list[Finding]:
     out: list[Finding] = []
     rejected: dict[str, list] = {}
     for r in ctx.by_event(events.AUTH_REJECTED):
-        rejected.setdefault(str(r.get("reason", "unknown")), []).append(r)
+        rejected.setdefault(r[events.REASON] or "unknown", []).append(r)
     key_var = key_env_name(ctx)
 
     missing_key = ctx.by_event(events.AUTH_KEY_MISSING) + rejected.pop("no_keys_configured", [])
@@ -69,7 +68,7 @@ def check(ctx: Context) -> list[Finding]:
     }
     for reason, group in rejected.items():
         fid, title, cause, fix = texts.get(reason, texts["unknown"])
-        headers = Counter(str(r.get("header", "?")) for r in group)
+        headers = Counter(r[events.HEADER] or "?" for r in group)
         title = f"{title} — {len(group)} request(s) rejected with 401"
         if reason not in texts:
             cause = f"The router rejected the key (reason {reason!r}). " + cause
@@ -82,30 +81,34 @@ def check(ctx: Context) -> list[Finding]:
         last = quota[-1]
         out.append(finding(
             "limit.quota_exhausted", "error",
-            f"Token quota exhausted for key {last.get('key_name', '?')} ({last.get('used', '?')} of "
-            f"{last.get('quota', '?')} tokens used)",
+            f"Token quota exhausted for key {_known(last[events.KEY_NAME])} ({_known(last[events.USED])} of "
+            f"{_known(last[events.QUOTA])} tokens used)",
             "The key's token quota is used up: the router answers 429 `insufficient_quota` until the quota is "
             "raised or reset. Waiting does not help (unlike a rate limit).",
-            "raise the key's quota in stack/router/settings.toml (then `docker compose up -d router`) or reset "
-            "its usage; see usage with the router's /metrics",
+            "raise the quota ([limits] token_quota in router/settings.toml, or the key's entry in its keys file, see "
+            "router/keys.example.toml), then `docker compose up -d router`; or reset its usage; see usage at /v1/usage",
             quota, [r.request_id for r in quota]))
     rate = ctx.by_event(events.LIMIT_RATE)
     if rate:
-        kinds = Counter(str(r.get("limit", "?")) for r in rate)
+        kinds = Counter(r[events.LIMIT] or "?" for r in rate)
         last = rate[-1]
         out.append(finding(
             "limit.rate_limited", "warning",
             f"Rate limited {len(rate)} time(s) ({', '.join(f'{k} ×{n}' for k, n in kinds.items())}; last "
-            f"{last.get('current', '?')}/{last.get('maximum', '?')})",
+            f"{_known(last[events.CURRENT])}/{_known(last[events.MAXIMUM])})",
             "The key exceeded a per-key rate or concurrency limit: a 429 `rate_limit_exceeded` that clears by "
             "itself (not the quota).",
-            "retry with backoff (the SDKs do), lower the client's concurrency, or raise the limit in "
-            "stack/router/settings.toml",
+            "retry with backoff (the SDKs do), lower the client's concurrency, or raise the limit ([limits] in "
+            "router/settings.toml, or the key's entry in its keys file)",
             rate, [r.request_id for r in rate]))
 
     out.extend(_client_401_elsewhere(ctx))
     out.extend(_dirty_keys(ctx))
     return out
+
+
+def _known(value: object) -> str:
+    return "?" if value is None else str(value)
 
 
 def _with_client_lines(ctx: Context, group: list, kind: str) -> list:

@@ -37,22 +37,21 @@ def _decode_failed_after_prefill(ctx: Context, client: list) -> list[Finding]:
     for t in ctx.timelines.values():
         prefill_ok = t.first(events.ROUTER_PREFILL_DONE)
         failed = [r for r in t.events(events.ROUTER_DECODE_FAILED, events.ROUTER_UPSTREAM_ERROR)
-                  if r.event == events.ROUTER_DECODE_FAILED or r.get("role") == "decode"
-                  or "decode" in str(r.get("backend", ""))]
+                  if r.event == events.ROUTER_DECODE_FAILED or r[events.ROLE] == "decode"]
         answered_error = (t.status or 500) >= 400  # a failure the router retried away is not the client's
-        if prefill_ok and failed and answered_error and not any(r.get("mid_stream") for r in failed) \
+        if prefill_ok and failed and answered_error and not any(r.get(events.MID_STREAM) for r in failed) \
                 and not any(r.event in KV_FAILURES for r in t.records):
             hits.append((t, prefill_ok, failed))
     if not hits:
         return []
-    statuses = Counter(str(f[0].get("status", "?")) for _, _, f in hits)
+    statuses = Counter(str(f[0][events.STATUS] or "?") for _, _, f in hits)
     evidence = list(client[:2])
     for t, prefill_ok, failed in hits[:3]:
         decode_errors = [r for r in t.records if r.service == "decode" and r.level in ("ERROR", "CRITICAL")]
         answered = t.events(events.ROUTER_REQUEST_DONE)
         evidence += [prefill_ok, *failed[:1], *decode_errors[:2], *answered[:1]]
     t0, _, failed0 = hits[0]
-    detail = failed0[0].get("error") or failed0[0].get("body") or "(no error text)"
+    detail = failed0[0].get(events.ERROR) or failed0[0].get(events.BODY) or "(no error text)"
     return [finding(
         "choices.decode_failed", "error",
         f"Decode failed after a successful prefill in {len(hits)} request(s) "
@@ -67,7 +66,7 @@ def _decode_failed_after_prefill(ctx: Context, client: list) -> list[Finding]:
 
 
 def _stream_without_done(ctx: Context) -> list[Finding]:
-    cut = [r for r in ctx.by_event(events.ROUTER_DECODE_FAILED) if r.get("mid_stream") is True]
+    cut = [r for r in ctx.by_event(events.ROUTER_DECODE_FAILED) if r[events.MID_STREAM] is True]
     if not cut:
         return []
     evidence: list = list(ctx.client_kinds("stream_incomplete", "choices_index")[:1])
@@ -81,7 +80,7 @@ def _stream_without_done(ctx: Context) -> list[Finding]:
         "Decode failed after the first tokens were relayed. The router ends such a stream with an in-band error "
         "event (the OpenAI SDK raises APIError; a client that only reads choices sees a chunk without them, and one "
         "behind another proxy may see the stream simply stop). Decode said: "
-        f"{str(cut[0].get('error', ''))[:200]}",
+        f"{(cut[0][events.ERROR] or '')[:200]}",
         "docker compose logs decode --since 10m; fix the decode error; clients should treat a stream that ends "
         "without [DONE] as failed and retry",
         evidence, [r.request_id for r in cut])]
@@ -89,7 +88,7 @@ def _stream_without_done(ctx: Context) -> list[Finding]:
 
 def _usage_chunk(ctx: Context, client: list) -> list[Finding]:
     chunks = ctx.by_event(events.ROUTER_USAGE_CHUNK)
-    unasked = [r for r in chunks if r.get("client_asked") is False]
+    unasked = [r for r in chunks if r[events.CLIENT_ASKED] is False]
     out: list[Finding] = []
     if unasked:
         out.append(finding(
@@ -100,7 +99,7 @@ def _usage_chunk(ctx: Context, client: list) -> list[Finding]:
             "router: send the usage chunk only when the client asked include_usage (drop it otherwise)",
             client[:2] + unasked, [r.request_id for r in unasked]))
     index_errors = ctx.client_kinds("choices_index")
-    streams = [r for r in ctx.by_event(events.ROUTER_REQUEST_RECEIVED) if r.get("stream")]
+    streams = [r for r in ctx.by_event(events.ROUTER_REQUEST_RECEIVED) if r[events.STREAM]]
     if index_errors and not unasked and (chunks or streams):
         out.append(finding(
             "choices.empty_choices_chunk", "warning",

@@ -140,7 +140,7 @@ def _client_lines(ctx: Context) -> list[Finding]:
                            "Two credentials are configured; Claude Code picks one.",
                            "unset ANTHROPIC_API_KEY (keep ANTHROPIC_AUTH_TOKEN)", conflict))
     for r in ctx.client_kinds("env_key_missing"):
-        var = r.get("env_var", "?")
+        var = r.data.get("env_var", "?")  # a client line: the doctor's own data, not a service event
         out.append(finding(
             "oauth.codex_env_key_unset", "error", f"Codex: Missing environment variable ${var}",
             "The provider's env_key names a variable that is not set in Codex's environment.",

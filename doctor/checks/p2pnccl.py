@@ -22,16 +22,16 @@ def check(ctx: Context) -> list[Finding]:
         out.append(finding(
             "p2pnccl.bad_ping", "warning",
             f"{len(bad)} sender(s) on the P2pNccl registry port do not speak vLLM's registration",
-            "The router read pings it could not use (" + "; ".join(sorted({str(r.get('error')) for r in bad})) + "). "
+            "The router read pings it could not use (" + "; ".join(sorted({r[events.ERROR] or "?" for r in bad})) + "). "
             "Only vLLM P2pNccl engines (msgpack type/http_address/zmq_address every 3 s) belong on that port.",
             "Point only the P2pNccl engines' kv_connector_extra_config proxy_ip/proxy_port at the router's registry port; "
             "move anything else to another port.", bad))
-    mode = [r for r in ctx.by_event(events.CONFIG_IGNORED) if r.service == "router" and r.get("value") == "(registry)"]
-    joined = {r.get("role") for r in ctx.by_event(events.P2PNCCL_JOINED)}
+    mode = [r for r in ctx.by_event(events.CONFIG_IGNORED) if r.service == "router" and r[events.VALUE] == "(registry)"]
+    joined = {r[events.ROLE] for r in ctx.by_event(events.P2PNCCL_JOINED)}
     refused = [r for r in ctx.by_event(events.HTTP_ERROR)
-               if r.service == "router" and r.get("code") in ("no_prefill_backend", "no_decode_backend")]
+               if r.service == "router" and r[events.CODE] in ("no_prefill_backend", "no_decode_backend")]
     for role in ("prefill", "decode"):
-        failed = [r for r in refused if r.get("code") == f"no_{role}_backend"]
+        failed = [r for r in refused if r[events.CODE] == f"no_{role}_backend"]
         if not failed or role in joined or not (mode or joined):
             continue
         out.append(finding(
@@ -50,5 +50,5 @@ def check(ctx: Context) -> list[Finding]:
             f"{len(left)} P2pNccl instance(s) stopped pinging and were taken out of service",
             "An instance that has not pinged for instance_ttl_ms (5 s) is dropped: the engine died, restarted, or lost "
             "its network to the router. It comes back by itself when it pings again.",
-            "docker compose ps; docker compose logs " + " ".join(sorted({str(r.get('role')) for r in left})), left))
+            "docker compose ps; docker compose logs " + " ".join(sorted({r[events.ROLE] or "?" for r in left})), left))
     return out

@@ -1,85 +1,343 @@
-"""Every log event name the services emit. Logs are an API: the doctor reads these names.
+"""Every log event the services emit, with the fields it carries. Logs are an API: the doctor reads them.
 
-Rules: names are `area.what_happened`, lower case; never rename one (add a new one instead);
-every event a service logs is a constant here, and `ALL` lists them for the doctor and the tests.
-Each line carries the flat fields `ts, level, service, event, request_id, msg` plus the extra
-fields named in the comment (numbers are plain JSON numbers, durations in ms, sizes in bytes).
+Rules: names are `area.what_happened`, lower case; never rename an event or a field (add a new one
+instead). Each line carries the flat keys `ts, level, service, event, request_id, msg` plus the fields
+its Event declares: `required` ones on every line, `optional` ones when they apply. Numbers are plain
+JSON numbers, durations in ms, sizes in bytes; any field may be null (unknown).
+
+`log_event` (stack/common/logging.py) checks each call against its declaration, and the doctor reads
+fields through the `Field` constants below (`record[KV_PORT]`), so a rename here reaches both, and a
+call that drifts from its declaration fails the tests (strict mode, see logging.py).
+
+A new event: a constant below with its one-line doc and its fields, reusing the vocabulary's `Field`
+constants (a new field gets one, with its JSON type and a plausible example).
+tests/unit/common/test_log_declarations.py checks every call site in stack/ against these, and
+tests/unit/doctor/test_declared_events.py runs the doctor over every event logged for real.
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+# Who logs an event: its `service` on the line (engine: any engine role, any: every service).
+ROUTER, PREFILL, DECODE, ENGINE, ANY = "router", "prefill", "decode", "engine", "any"
+BASE_KEYS = frozenset({"ts", "level", "service", "event", "request_id", "msg"})
+
+
+@dataclass(frozen=True, eq=False)  # a field is its constant: compared by identity
+class Field:
+    """One field of the log vocabulary: its key, the JSON type of its values and a plausible example."""
+
+    name: str
+    type: type  # float also takes JSON integers; object takes anything
+    example: Any  # documentation, and what the tests log for every declared event
+    doc: str = ""
+
+    def accepts(self, value: Any) -> bool:
+        """Is `value` of this field's type? (None, unknown, always is; a bool is no number.)"""
+        if value is None or self.type is object:
+            return True
+        if isinstance(value, bool):
+            return self.type is bool
+        return isinstance(value, self.type) or (self.type is float and isinstance(value, int))
+
+    def of(self, data: Mapping[str, Any]) -> Any:
+        """The value in a parsed line, or None when it is absent or not of this field's type."""
+        value = data.get(self.name)
+        return value if self.accepts(value) else None
+
+
+class Event(str):
+    """An event: its name (lines, the doctor and tests compare names, so it is a str) and its declaration."""
+
+    service: str
+    doc: str
+    level: str  # the usual level (some events log WARNING or ERROR depending on the case)
+    fields: Mapping[str, Field]  # by key, required first
+    names: frozenset[str]  # every field key a call may pass
+    line_keys: frozenset[str]  # every key a line may carry: names and BASE_KEYS
+    required: frozenset[str]
+
+    def __new__(cls, name: str, service: str, doc: str, *, required: Iterable[Field] = (),
+                optional: Iterable[Field] = (), level: str = "INFO") -> Event:
+        self = super().__new__(cls, name)
+        required, optional = tuple(required), tuple(optional)
+        self.service, self.doc, self.level = service, doc, level
+        self.fields = {f.name: f for f in required + optional}
+        self.names = frozenset(self.fields)
+        self.line_keys = self.names | BASE_KEYS
+        self.required = frozenset(f.name for f in required)
+        assert len(self.fields) == len(required + optional), f"{name}: a field is declared twice"
+        assert not self.names & BASE_KEYS, f"{name}: {sorted(self.names & BASE_KEYS)} are on every line already"
+        return self
+
+    def problems(self, keys: Iterable[str]) -> tuple[list[str], list[str]]:
+        """(undeclared, missing) keys of a call's fields (or of a line's, BASE_KEYS removed) against this declaration."""
+        present = set(keys)
+        return sorted(present - self.names), sorted(self.required - present)
+
+
+# -- the field vocabulary ----------------------------------------------------------------------
+# Service life and config
+CONFIG = Field("config", str, "decode/config.json", "the config file the service loaded")
+HOST = Field("host", str, "0.0.0.0")
+PORT = Field("port", int, 8000, "the HTTP port")
+HEALTH_PORT = Field("health_port", int, 50051, "the gRPC health port")
+WARMUP_MS = Field("warmup_ms", float, 812.4)
+LOAD_MS = Field("load_ms", float, 95.2, "time to load or build the model")
+ROLE = Field("role", str, "decode", "an engine role (prefill | decode | both); on router lines the backend's")
+KV_ROLE = Field("kv_role", str, "kv_consumer", "kv_producer | kv_consumer | kv_both")
+MODEL = Field("model", str, "tiny-llama")
+CHECKPOINT = Field("checkpoint", str, "/models/tiny-llama", "null: dummy weights from a seed")
+FINGERPRINT = Field("fingerprint", str, "llama-tiny-seed0-4c1f9a2e", "config + weights; prefill and decode must agree")
+PREFILL_URLS = Field("prefill", list, ["http://prefill:8000"], "the router's prefill backends")
+DECODE_URLS = Field("decode", list, ["http://decode:8000"], "the router's decode backends")
+POLICY = Field("policy", str, "load_aware", "the router's scheduling policy")
+KEY = Field("key", str, "kv_transfer_config.kv_connector", "a config key, dotted")
+VALUE = Field("value", object, "PyNcclConnector", "the value as written")
+FILE = Field("file", str, "decode/config.json")
+PROBLEM = Field("problem", str, "must be positive bytes, got -1", "what is wrong")
+LOGGER = Field("logger", str, "aiohttp.server", "the stdlib logger that wrote a free-form line")
+EXC = Field("exc", str, "RuntimeError: sampling produced NaN logits", "the exception, `Type: message`")
+FOR_EVENT = Field("for_event", str, "kv_producer.sent", "the event whose log call drifted")
+# HTTP
+METHOD = Field("method", str, "POST")
+PATH = Field("path", str, "/v1/chat/completions")
+STATUS = Field("status", int, 200, "an HTTP status")
+DURATION_MS = Field("duration_ms", float, 41.3)
+ERROR_TYPE = Field("type", str, "invalid_request_error", "the OpenAI error type")
+CODE = Field("code", str, "invalid_api_key", "a machine-readable error code")
+ERROR = Field("error", str, "[Errno 111] Connection refused", "what went wrong, as text")
+REASON = Field("reason", str, "buffer_full", "why, as one of the event's documented words")
+# Requests in an engine
+PROMPT_TOKENS = Field("prompt_tokens", int, 40)
+COMPLETION_TOKENS = Field("completion_tokens", int, 16)
+MAX_TOKENS = Field("max_tokens", int, 16)
+STREAM = Field("stream", bool, True)
+PD_LEG = Field("pd_leg", str, "decode", "prefill | decode: which leg of a PD request; null when not PD")
+BLOCKS_NEEDED = Field("blocks_needed", int, 4)
+BLOCKS_FREE = Field("blocks_free", int, 1)
+PREFILL_MS = Field("prefill_ms", float, 32.0)
+QUEUE_MS = Field("queue_ms", float, 0.4, "time waiting for the first step")
+TTFT_MS = Field("ttft_ms", float, 35.2)
+FINISH_REASON = Field("finish_reason", str, "length", "stop | length | abort | error")
+E2E_MS = Field("e2e_ms", float, 98.5)
+KV_BLOCKS_FREED = Field("kv_blocks_freed", int, 3)
+LIMIT = Field("limit", str, "rpm", "the limit hit: rpm | tpm | concurrency (engine: the size it can never fit)")
+SEQUENCES = Field("sequences", int, 2, "sequences in the failed step")
+# KV transfer
+TRANSFER_ID = Field("transfer_id", str, "kv-3f9c1a2b", "one KV hand-off; joins prefill's and decode's lines")
+DECODE_KV_ADDR = Field("decode_kv_addr", str, "decode:9100", "host:port of decode's KV listener")
+NUM_TOKENS = Field("num_tokens", int, 40, "tokens of KV in the transfer")
+BYTES = Field("bytes", int, 81920, "size of the transfer")
+TRANSFER_MS = Field("transfer_ms", float, 1.6)
+GBPS = Field("gbps", float, 0.05, "GB/s")
+DETAIL = Field("detail", str, "KV transfer of 8192000 bytes does not fit the receive buffer", "decode's message")
+KV_PORT = Field("kv_port", int, 9100, "the port decode's KV listener is bound to")
+KV_BUFFER_SIZE = Field("kv_buffer_size", float, 8e9, "decode's KV receive buffer, bytes")
+KV_LEASE_MS = Field("kv_lease_ms", int, 30000, "unclaimed KV is freed after this")
+PEER = Field("peer", str, "172.18.0.3:41822", "the pushing side's address")
+RECEIVE_MS = Field("receive_ms", float, 1.2)
+WAIT_MS = Field("wait_ms", float, 0.3, "how long the decode request waited for its KV")
+WAITED_MS = Field("waited_ms", float, 5000.0)
+KV_TRANSFER_TIMEOUT_MS = Field("kv_transfer_timeout_ms", float, 5000)
+IN_FLIGHT = Field("in_flight", bool, False, "the KV was still arriving when decode gave up")
+BUFFER_USED = Field("buffer_used", int, 0, "bytes of the receive buffer in use")
+LOCAL = Field("local", str, "llama-tiny-seed1-77d0b3c1", "decode's own fingerprint")
+REMOTE = Field("remote", str, "llama-tiny-seed0-4c1f9a2e", "the fingerprint in prefill's KV header")
+EXPECTED = Field("expected", str, "9f86d081", "the checksum prefill sent")
+ACTUAL = Field("actual", str, "60303ae2", "the checksum of what arrived")
+BAD_SEGMENTS = Field("bad_segments", int, 1)
+RECEIVED = Field("received", int, 40960, "payload bytes that arrived before the connection closed")
+LEASE_MS = Field("lease_ms", int, 30000)
+LOCAL_TOKENS = Field("local_tokens", int, 40, "the decode request's prompt tokens")
+REMOTE_TOKENS = Field("remote_tokens", int, 38, "the tokens the KV was computed for")
+# Router
+KEY_NAME = Field("key_name", str, "default", "the caller key's name (never the key)")
+HEADER = Field("header", str, "authorization", "authorization | x-api-key")
+ENV_VAR = Field("env_var", str, "TAOTOKEN_API_KEY")
+CURRENT = Field("current", int, 61)
+MAXIMUM = Field("maximum", int, 60)
+RETRY_AFTER_S = Field("retry_after_s", float, 1)
+USED = Field("used", int, 100204, "tokens used")
+QUOTA = Field("quota", int, 100000, "the key's token quota")
+DB_PATH = Field("db_path", str, "/data/usage.sqlite3")
+REQUESTS = Field("requests", int, 12, "finished requests not yet written")
+API = Field("api", str, "chat", "chat | completions | messages | responses")
+PREFILL_URL = Field("prefill", str, "http://prefill:8000", "the prefill backend")
+DECODE_URL = Field("decode", str, "http://decode:8000", "the decode backend")
+BACKEND = Field("backend", str, "http://decode:8000", "a backend's URL")
+KV_ADDR = Field("kv_addr", str, "decode:9100", "a decode's KV address as the router uses it")
+REPORTED_BY = Field("reported_by", str, "GET http://decode:8000/health", "where the router learned the value")
+REPORTED_PORT = Field("reported_port", int, 9100, "the KV port decode reports (and the router uses)")
+CONFIGURED_PORT = Field("configured_port", int, 9200, "a KV port the router was given")
+CONFIGURED_BY = Field("configured_by", str, "KV_TRANSFER_PORT", "KV_TRANSFER_PORT or decode.kv_addrs[i] in <file>")
+MODE = Field("mode", str, "disaggregated", "disaggregated | colocated")
+ATTEMPT = Field("attempt", int, 1)
+PREFILL_ATTEMPT = Field("prefill_attempt", int, 1, "prefill tries within this attempt")
+QUEUE_DEPTH = Field("queue_depth", int, 3)
+KV_TRANSFER_PARAMS = Field("kv_transfer_params", list, ["do_remote_prefill", "num_tokens", "transfer_id"],
+                           "the keys of the prefill's kv_transfer_params")
+MID_STREAM = Field("mid_stream", bool, False, "the client had already received tokens")
+RETRIED = Field("retried", bool, False, "the router tried another backend")
+BODY = Field("body", str, '{"error": {"message": "CUDA out of memory"}}', "an engine's error body (raw, ≤ 2000 chars)")
+CHUNKS_RELAYED = Field("chunks_relayed", int, 5)
+STATE = Field("state", str, "up", "backend.health: up | down; backend.circuit: open | half_open | closed")
+WAS = Field("was", str, "down", "the state before")
+FAILURES = Field("failures", int, 5)
+ZMQ_ADDRESS = Field("zmq_address", str, "10.0.0.5:21001")
+SENDER = Field("sender", str, "b'\\x00k\\x8bEg'", "the ZMQ identity of a sender")
+CLIENT_ASKED = Field("client_asked", bool, True, "the client itself sent stream_options.include_usage")
+
 # -- any service -------------------------------------------------------------------------------
-SERVICE_STARTING = "service.starting"  # config (path), role/version facts
-SERVICE_READY = "service.ready"  # health flipped to SERVING; warmup_ms
-SERVICE_STOPPING = "service.stopping"  # signal received
-CONFIG_IGNORED = "config.ignored"  # key, value: accepted but meaningless on CPU (logged once)
-CONFIG_INVALID = "config.invalid"  # file, key, problem (then the process exits 2)
-HTTP_ACCESS = "http.access"  # method, path, status, duration_ms
-HTTP_BAD_REQUEST = "http.bad_request"  # status, type, code, message (4xx answered to a client)
-HTTP_ERROR = "http.error"  # status, type, message; an internal error (5xx) with traceback in log only
+SERVICE_STARTING = Event(
+    "service.starting", ANY, "the process read its config (engine: model loaded; router: its backends)",
+    required=(CONFIG,), optional=(ROLE, KV_ROLE, MODEL, CHECKPOINT, FINGERPRINT, LOAD_MS, PREFILL_URLS, DECODE_URLS, POLICY))
+SERVICE_READY = Event("service.ready", ANY, "health flipped to SERVING after warm-up",
+                      required=(HOST, PORT, HEALTH_PORT, WARMUP_MS))
+SERVICE_STOPPING = Event("service.stopping", ANY, "a signal was received; draining")
+CONFIG_IGNORED = Event("config.ignored", ANY, "a key is accepted but meaningless here (logged once at start)",
+                       required=(KEY, VALUE))
+CONFIG_INVALID = Event("config.invalid", ANY, "a bad config value (then the process exits 2)",
+                       required=(FILE, KEY, PROBLEM), level="ERROR")
+HTTP_ACCESS = Event("http.access", ANY, "one HTTP request answered (aiohttp's access log)",
+                    required=(METHOD, PATH, STATUS, DURATION_MS))
+HTTP_BAD_REQUEST = Event("http.bad_request", ANY, "a 4xx answered to a client",
+                         required=(STATUS, ERROR_TYPE), optional=(CODE,), level="WARNING")
+HTTP_ERROR = Event("http.error", ANY, "a 5xx answered; an unhandled exception carries only exc (traceback in the log only)",
+                   optional=(STATUS, ERROR_TYPE, CODE, EXC), level="ERROR")
+LOG = Event("log", ANY, "a free-form line: stdlib logging (aiohttp, grpc, asyncio) or loguru's logger",
+            optional=(LOGGER, EXC))
+LOG_FIELDS_MISMATCH = Event("log.fields_mismatch", ANY,
+                            "a log call's fields differ from its declaration here (once per event and problem)",
+                            required=(FOR_EVENT, PROBLEM), level="WARNING")
 
 # -- engine: requests --------------------------------------------------------------------------
-ENGINE_REQUEST_RECEIVED = "engine.request_received"  # prompt_tokens, max_tokens, stream, role
-ENGINE_REQUEST_QUEUED = "engine.request_queued"  # waiting for KV blocks; blocks_needed, blocks_free
-ENGINE_PREFILL_DONE = "engine.prefill_done"  # prompt_tokens, prefill_ms
-ENGINE_FIRST_TOKEN = "engine.first_token"  # ttft_ms
-ENGINE_REQUEST_FINISHED = "engine.request_finished"  # prompt_tokens, completion_tokens, finish_reason, e2e_ms
-ENGINE_REQUEST_CANCELLED = "engine.request_cancelled"  # client went away; kv_blocks_freed
-ENGINE_REQUEST_REJECTED = "engine.request_rejected"  # can never fit: prompt_tokens, max_tokens, limit
-ENGINE_STEP_FAILED = "engine.step_failed"  # sequences: a forward/sampling step raised (a bug); they end with an error
+ENGINE_REQUEST_RECEIVED = Event("engine.request_received", ENGINE, "a completion request was parsed",
+                                required=(PROMPT_TOKENS, MAX_TOKENS, STREAM, ROLE, PD_LEG, TRANSFER_ID))
+ENGINE_REQUEST_QUEUED = Event("engine.request_queued", ENGINE, "waiting for KV blocks",
+                              required=(BLOCKS_NEEDED, BLOCKS_FREE))
+ENGINE_PREFILL_DONE = Event("engine.prefill_done", ENGINE, "the prompt's KV is computed",
+                            required=(PROMPT_TOKENS, PREFILL_MS, QUEUE_MS))
+ENGINE_FIRST_TOKEN = Event("engine.first_token", ENGINE, "the first token was sampled", required=(TTFT_MS,))
+ENGINE_REQUEST_FINISHED = Event("engine.request_finished", ENGINE, "a sequence ended",
+                                required=(PROMPT_TOKENS, COMPLETION_TOKENS, FINISH_REASON, E2E_MS))
+ENGINE_REQUEST_CANCELLED = Event("engine.request_cancelled", ENGINE, "the client went away; its KV blocks freed",
+                                 required=(KV_BLOCKS_FREED, COMPLETION_TOKENS), level="WARNING")
+ENGINE_REQUEST_REJECTED = Event("engine.request_rejected", ENGINE, "the request can never fit the KV cache",
+                                required=(PROMPT_TOKENS, MAX_TOKENS, LIMIT), level="WARNING")
+ENGINE_STEP_FAILED = Event("engine.step_failed", ENGINE, "a forward/sampling step raised (a bug); its sequences end with an error",
+                           required=(SEQUENCES,), optional=(EXC,), level="ERROR")
 
 # -- engine: KV transfer, prefill side (kv_producer) -------------------------------------------
-KV_PRODUCER_SENDING = "kv_producer.sending"  # transfer_id, decode_kv_addr, num_tokens, bytes
-KV_PRODUCER_SENT = "kv_producer.sent"  # transfer_id, decode_kv_addr, num_tokens, bytes, transfer_ms, gbps
-KV_PRODUCER_CONNECT_FAILED = "kv_producer.connect_failed"  # transfer_id, decode_kv_addr, error
-KV_PRODUCER_REJECTED = "kv_producer.rejected"  # transfer_id, reason (buffer_full|fingerprint_mismatch|checksum|…), detail
-KV_PRODUCER_FAILED = "kv_producer.failed"  # transfer_id, error (any other send failure)
+KV_PRODUCER_SENDING = Event("kv_producer.sending", PREFILL, "a KV push to decode starts",
+                            required=(TRANSFER_ID, DECODE_KV_ADDR, NUM_TOKENS, BYTES))
+KV_PRODUCER_SENT = Event("kv_producer.sent", PREFILL, "decode acknowledged the pushed KV",
+                         required=(TRANSFER_ID, DECODE_KV_ADDR, NUM_TOKENS, BYTES, TRANSFER_MS, GBPS))
+KV_PRODUCER_CONNECT_FAILED = Event("kv_producer.connect_failed", PREFILL, "no TCP connection to decode's KV address",
+                                   required=(TRANSFER_ID, DECODE_KV_ADDR, ERROR), level="ERROR")
+KV_PRODUCER_REJECTED = Event(
+    "kv_producer.rejected", PREFILL,
+    "decode refused the KV; reason is its code (buffer_full | fingerprint_mismatch | checksum_mismatch | "
+    "duplicate_transfer | claim_expired | bad_header), with the numbers behind it",
+    required=(TRANSFER_ID, DECODE_KV_ADDR, REASON, DETAIL),
+    optional=(LOCAL, REMOTE, BYTES, KV_BUFFER_SIZE, BUFFER_USED, EXPECTED, ACTUAL), level="ERROR")
+KV_PRODUCER_FAILED = Event("kv_producer.failed", PREFILL, "the push broke after connecting",
+                           required=(TRANSFER_ID, DECODE_KV_ADDR, ERROR), level="ERROR")
 
 # -- engine: KV transfer, decode side (kv_consumer) --------------------------------------------
-KV_CONSUMER_LISTENING = "kv_consumer.listening"  # kv_port, kv_buffer_size
-KV_CONSUMER_RECEIVED = "kv_consumer.received"  # transfer_id, num_tokens, bytes, peer
-KV_CONSUMER_CLAIMED = "kv_consumer.claimed"  # transfer_id, wait_ms
-KV_CONSUMER_TIMEOUT = "kv_consumer.timeout"  # transfer_id, waited_ms, kv_transfer_timeout_ms
-KV_CONSUMER_BUFFER_FULL = "kv_consumer.buffer_full"  # transfer_id, bytes, kv_buffer_size, buffer_used
-KV_CONSUMER_FINGERPRINT_MISMATCH = "kv_consumer.fingerprint_mismatch"  # transfer_id, local, remote
-KV_CONSUMER_CHECKSUM_MISMATCH = "kv_consumer.checksum_mismatch"  # transfer_id, expected, actual
-KV_CONSUMER_LEASE_EXPIRED = "kv_consumer.lease_expired"  # transfer_id, bytes, lease_ms (pushed, never claimed)
-KV_CONSUMER_RECOMPUTE = "kv_consumer.recompute"  # transfer_id, reason: policy recompute ran prefill locally
-KV_CONSUMER_FAILED = "kv_consumer.failed"  # transfer_id, reason: policy fail answered an error
-KV_CONSUMER_PROTOCOL_ERROR = "kv_consumer.protocol_error"  # peer, code (bad_header|duplicate_transfer|claim_expired), error
-KV_CONSUMER_INCOMPLETE = "kv_consumer.incomplete"  # transfer_id, received, bytes, peer: connection closed mid-payload
-KV_CONSUMER_PROMPT_MISMATCH = "kv_consumer.prompt_mismatch"  # transfer_id, local_tokens, remote_tokens (router sent another prompt)
+KV_CONSUMER_LISTENING = Event("kv_consumer.listening", DECODE, "the KV listener is bound (at start)",
+                              required=(KV_PORT, KV_BUFFER_SIZE, KV_LEASE_MS))
+KV_CONSUMER_RECEIVED = Event("kv_consumer.received", DECODE, "a transfer arrived whole",
+                             required=(TRANSFER_ID, NUM_TOKENS, BYTES, PEER, RECEIVE_MS, GBPS))
+KV_CONSUMER_CLAIMED = Event("kv_consumer.claimed", DECODE, "a decode request took its KV",
+                            required=(TRANSFER_ID, WAIT_MS, NUM_TOKENS, BYTES))
+KV_CONSUMER_TIMEOUT = Event("kv_consumer.timeout", DECODE, "a decode request's KV did not arrive in time",
+                            required=(TRANSFER_ID, WAITED_MS, KV_TRANSFER_TIMEOUT_MS, IN_FLIGHT),
+                            level="ERROR")
+KV_CONSUMER_BUFFER_FULL = Event("kv_consumer.buffer_full", DECODE, "a transfer does not fit the receive buffer",
+                                required=(TRANSFER_ID, BYTES, KV_BUFFER_SIZE, BUFFER_USED, PEER),
+                                level="ERROR")
+KV_CONSUMER_FINGERPRINT_MISMATCH = Event("kv_consumer.fingerprint_mismatch", DECODE,
+                                         "the KV came from another model version",
+                                         required=(TRANSFER_ID, LOCAL, REMOTE, PEER), level="ERROR")
+KV_CONSUMER_CHECKSUM_MISMATCH = Event("kv_consumer.checksum_mismatch", DECODE, "the KV arrived corrupted",
+                                      required=(TRANSFER_ID, EXPECTED, ACTUAL, BAD_SEGMENTS, PEER),
+                                      level="ERROR")
+KV_CONSUMER_LEASE_EXPIRED = Event("kv_consumer.lease_expired", DECODE, "pushed KV nobody claimed was freed",
+                                  required=(TRANSFER_ID, BYTES, LEASE_MS, BUFFER_USED), level="WARNING")
+KV_CONSUMER_RECOMPUTE = Event("kv_consumer.recompute", DECODE, "policy recompute: decode runs the prefill itself",
+                              required=(TRANSFER_ID, REASON, PROMPT_TOKENS), level="WARNING")
+KV_CONSUMER_FAILED = Event("kv_consumer.failed", DECODE, "policy fail: the KV failure is answered as an error",
+                           required=(TRANSFER_ID, REASON), level="ERROR")
+KV_CONSUMER_PROTOCOL_ERROR = Event(
+    "kv_consumer.protocol_error", DECODE, "a push broke the protocol; code: bad_header | duplicate_transfer | claim_expired",
+    required=(TRANSFER_ID, CODE, ERROR, PEER), level="ERROR")
+KV_CONSUMER_INCOMPLETE = Event("kv_consumer.incomplete", DECODE, "the connection closed mid-payload",
+                               required=(TRANSFER_ID, RECEIVED, BYTES, PEER), level="ERROR")
+KV_CONSUMER_PROMPT_MISMATCH = Event("kv_consumer.prompt_mismatch", DECODE,
+                                    "the KV was computed for another prompt than the decode request's",
+                                    required=(TRANSFER_ID, LOCAL_TOKENS, REMOTE_TOKENS), level="ERROR")
 
 # -- router ------------------------------------------------------------------------------------
-AUTH_ACCEPTED = "auth.accepted"  # key_name (never the key or its hash); DEBUG: router.request_done carries key_name
-AUTH_REJECTED = "auth.rejected"  # reason: missing|malformed|whitespace|quoted|unknown|no_keys_configured, header
-AUTH_KEY_MISSING = "auth.key_missing"  # at start: api_key_env is unset or empty in the environment
-LIMIT_RATE = "limit.rate_limited"  # key_name, limit (rpm|tpm|concurrency), current, maximum
-LIMIT_QUOTA = "limit.quota_exhausted"  # key_name, used, quota
-USAGE_FLUSH_FAILED = "usage.flush_failed"  # db_path, requests (kept in memory, retried next interval), error
-ROUTER_REQUEST_RECEIVED = "router.request_received"  # api (chat|completions|messages|responses), model, stream
-ROUTER_SCHEDULED = "router.scheduled"  # prefill, decode, policy, mode (disaggregated|colocated), attempt
-ROUTER_QUEUED = "router.queued"  # all backend slots busy; queue_depth
-ROUTER_QUEUE_FULL = "router.queue_full"  # rejected with 429/503; queue_depth, retry_after_s
-ROUTER_PREFILL_DONE = "router.prefill_done"  # prefill, prefill_ms, transfer_id
-ROUTER_PREFILL_FAILED = "router.prefill_failed"  # prefill, status, error, attempt (retried or not)
-ROUTER_KV_HANDOFF = "router.kv_handoff"  # decode, transfer_id, kv_transfer_params keys
-ROUTER_DECODE_FIRST_TOKEN = "router.decode_first_token"  # decode, ttft_ms
-ROUTER_DECODE_FAILED = "router.decode_failed"  # decode, status, error, mid_stream (bool)
-ROUTER_UPSTREAM_ERROR = "router.upstream_error"  # backend, status, body (the raw error body from an engine)
-ROUTER_CLIENT_DISCONNECTED = "router.client_disconnected"  # upstream requests cancelled
-ROUTER_REQUEST_DONE = "router.request_done"  # status, prompt_tokens, completion_tokens, e2e_ms
-BACKEND_HEALTH = "backend.health"  # backend, role, state (up|down), was
-BACKEND_CIRCUIT = "backend.circuit"  # backend, state (open|half_open|closed), failures
-BACKEND_KV_ADDR = "backend.kv_addr"  # backend, kv_addr, reported_by: a decode's KV address, learned from its GET /health
-# ERROR: a KV port the router was given disagrees with the one decode reports (which is used): backend, kv_addr,
-# reported_port, reported_by ("GET <url>/health"), configured_port, configured_by (KV_TRANSFER_PORT | decode.kv_addrs[i] in <file>)
-ROUTER_KV_PORT_MISMATCH = "router.kv_port_mismatch"
-P2PNCCL_JOINED = "p2pnccl.joined"  # a vLLM P2pNccl instance registered: role, backend, zmq_address
-P2PNCCL_LEFT = "p2pnccl.left"  # it stopped pinging and was removed: role, backend, zmq_address
-P2PNCCL_BAD_PING = "p2pnccl.bad_ping"  # a registration that is not vLLM's format (logged once per sender): sender, error
-# doctor (choices diagnosis): a stream ended with the usage chunk whose `choices` is []; client_asked
-# (bool: the client itself sent stream_options.include_usage). Logged by the router once per stream.
-ROUTER_USAGE_CHUNK = "router.usage_chunk"  # client_asked, prompt_tokens, completion_tokens
+AUTH_ACCEPTED = Event("auth.accepted", ROUTER, "a caller's key matched", required=(KEY_NAME, HEADER), level="DEBUG")
+AUTH_REJECTED = Event(
+    "auth.rejected", ROUTER, "401; reason: missing | malformed | whitespace | quoted | unknown | no_keys_configured",
+    required=(REASON, HEADER), level="WARNING")
+AUTH_KEY_MISSING = Event("auth.key_missing", ROUTER, "at start: a key's env var is unset or empty",
+                         required=(KEY_NAME, ENV_VAR), level="WARNING")
+LIMIT_RATE = Event("limit.rate_limited", ROUTER, "a key hit its rate or concurrency limit (429)",
+                   required=(KEY_NAME, LIMIT, CURRENT, MAXIMUM, RETRY_AFTER_S), level="WARNING")
+LIMIT_QUOTA = Event("limit.quota_exhausted", ROUTER, "a key used up its token quota (429)",
+                    required=(KEY_NAME, USED, QUOTA), level="WARNING")
+USAGE_FLUSH_FAILED = Event("usage.flush_failed", ROUTER, "usage could not be written (kept in memory, retried)",
+                           required=(DB_PATH, REQUESTS, ERROR), level="ERROR")
+ROUTER_REQUEST_RECEIVED = Event("router.request_received", ROUTER, "a generation request was parsed",
+                                required=(API, MODEL, STREAM))
+ROUTER_SCHEDULED = Event("router.scheduled", ROUTER, "a prefill/decode pair was picked for an attempt",
+                         required=(PREFILL_URL, DECODE_URL, POLICY, MODE, ATTEMPT), optional=(PREFILL_ATTEMPT,))
+ROUTER_QUEUED = Event("router.queued", ROUTER, "every backend slot is busy; the request waits",
+                      required=(ROLE, QUEUE_DEPTH))
+ROUTER_QUEUE_FULL = Event("router.queue_full", ROUTER, "rejected with 429/503: the queue is full or the wait too long",
+                          required=(ROLE, QUEUE_DEPTH, RETRY_AFTER_S), level="WARNING")
+ROUTER_PREFILL_DONE = Event("router.prefill_done", ROUTER, "the prefill leg answered with its kv_transfer_params",
+                            required=(PREFILL_URL, PREFILL_MS, TRANSFER_ID))
+ROUTER_PREFILL_FAILED = Event("router.prefill_failed", ROUTER, "the prefill leg failed (retried or not)",
+                              required=(PREFILL_URL, STATUS, ERROR, ATTEMPT, RETRIED), level="WARNING")
+ROUTER_KV_HANDOFF = Event("router.kv_handoff", ROUTER, "the decode leg starts with prefill's kv_transfer_params",
+                          required=(DECODE_URL, TRANSFER_ID, KV_TRANSFER_PARAMS))
+ROUTER_DECODE_FIRST_TOKEN = Event("router.decode_first_token", ROUTER, "decode's first chunk reached the router",
+                                  required=(DECODE_URL, TTFT_MS))
+ROUTER_DECODE_FAILED = Event("router.decode_failed", ROUTER, "the decode leg failed (before or after the first token)",
+                             required=(DECODE_URL, STATUS, ERROR, MID_STREAM, RETRIED), level="ERROR")
+ROUTER_UPSTREAM_ERROR = Event("router.upstream_error", ROUTER, "an engine answered an error; its raw body",
+                              required=(BACKEND, ROLE, STATUS, BODY), level="WARNING")
+ROUTER_CLIENT_DISCONNECTED = Event("router.client_disconnected", ROUTER, "the client went away; upstream cancelled",
+                                   required=(DECODE_URL, CHUNKS_RELAYED), level="WARNING")
+ROUTER_REQUEST_DONE = Event("router.request_done", ROUTER, "a generation request ended (status as the client saw it)",
+                            required=(API, KEY_NAME, STATUS, ERROR, PROMPT_TOKENS, COMPLETION_TOKENS, E2E_MS))
+ROUTER_USAGE_CHUNK = Event("router.usage_chunk", ROUTER, "a stream ended with the usage chunk whose choices is []",
+                           required=(CLIENT_ASKED, PROMPT_TOKENS, COMPLETION_TOKENS))
+BACKEND_HEALTH = Event("backend.health", ROUTER, "a backend went up or down", required=(BACKEND, ROLE, STATE, WAS, REASON))
+BACKEND_CIRCUIT = Event("backend.circuit", ROUTER, "a backend's circuit breaker changed state",
+                        required=(BACKEND, STATE, FAILURES), level="WARNING")
+BACKEND_KV_ADDR = Event("backend.kv_addr", ROUTER, "a decode's KV address, learned from its GET /health",
+                        required=(BACKEND, KV_ADDR, REPORTED_BY))
+ROUTER_KV_PORT_MISMATCH = Event("router.kv_port_mismatch", ROUTER,
+                                "a KV port the router was given disagrees with decode's own (decode's is used)",
+                                required=(BACKEND, KV_ADDR, REPORTED_PORT, REPORTED_BY, CONFIGURED_PORT, CONFIGURED_BY),
+                                level="ERROR")
+P2PNCCL_JOINED = Event("p2pnccl.joined", ROUTER, "a vLLM P2pNccl instance registered",
+                       required=(ROLE, BACKEND, ZMQ_ADDRESS))
+P2PNCCL_LEFT = Event("p2pnccl.left", ROUTER, "a P2pNccl instance stopped pinging and was removed",
+                     required=(ROLE, BACKEND, ZMQ_ADDRESS), level="WARNING")
+P2PNCCL_BAD_PING = Event("p2pnccl.bad_ping", ROUTER, "a registration not in vLLM's format (once per sender)",
+                         required=(SENDER, ERROR), level="WARNING")
 
-ALL: frozenset[str] = frozenset(
-    value for name, value in dict(globals()).items() if name.isupper() and isinstance(value, str)
-)
+ALL: Mapping[str, Event] = {value: value for value in dict(globals()).values() if isinstance(value, Event)}
+
+
+def constant_of(declared: Event | Field) -> str:
+    """The name of an event's or field's constant here (for messages that say which declaration to edit)."""
+    return next(name for name, value in globals().items() if value is declared)

@@ -8,6 +8,12 @@ Use `log_event(events.KV_PRODUCER_SENT, "pushed …", bytes=n)`; the request id 
 awaits and tasks. Secrets registered with `register_secret` (and anything shaped like a bearer
 token) are replaced by `[REDACTED]` before a line reaches the sink.
 
+Each call is checked against its event's declaration in stack/common/events.py (two set
+comparisons). With PD_LOG_STRICT=1 (the tests set it in tests/conftest.py) an unknown event, an
+undeclared or missing field, or a value of the wrong type raises EventDeclarationError. Otherwise
+(production; value types unchecked) the line is written as given and one `log.fields_mismatch`
+warning per event and problem says what drifted: logging never fails a request.
+
 `log_event` builds its line directly: it runs several times per request on the router's hot path,
 and loguru's record machinery cost about 20 µs a line, a fifth of the router's CPU per request.
 Everything else (stdlib logging from aiohttp/grpc/asyncio, `logger.opt(exception=True)…` with its
@@ -17,15 +23,18 @@ traceback) goes through loguru and ends in the same writer, so every line has th
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import datetime, timezone
-from typing import Any, TextIO
+from types import FrameType
+from typing import Any, Callable, TextIO
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
@@ -39,6 +48,11 @@ _request_id: ContextVar[str] = ContextVar("request_id", default="-")
 
 # loguru's level numbers (TRACE and SUCCESS included), so both paths filter alike.
 _LEVELS = {"TRACE": 5, "DEBUG": 10, "INFO": 20, "SUCCESS": 25, "WARNING": 30, "ERROR": 40, "CRITICAL": 50}
+STRICT_ENV = "PD_LOG_STRICT"  # "1": a log call that differs from its event's declaration raises
+
+
+class EventDeclarationError(Exception):
+    """A log call differs from its event's declaration in stack/common/events.py (strict mode only)."""
 
 
 class _Output:
@@ -47,6 +61,8 @@ class _Output:
     service = "-"
     min_level = _LEVELS["INFO"]
     stream: TextIO = sys.stdout
+    clock: Callable[[], datetime] = functools.partial(datetime.now, timezone.utc)  # tests set a fake one
+    strict = os.environ.get(STRICT_ENV) == "1"
     flush_loop: asyncio.AbstractEventLoop | None = None  # the loop a flush is scheduled on, if any
 
     @classmethod
@@ -80,13 +96,12 @@ def redact(text: str) -> str:
 _ENCODER = json.JSONEncoder(default=str, ensure_ascii=False)  # one encoder, not one per line
 
 
-def _write(level: str, event: str, request_id: str, msg: str, fields: dict[str, Any], ts: datetime | None = None) -> None:
+def _write(level: str, event: str, request_id: str, msg: str, fields: dict[str, Any]) -> None:
     """The one writer: a flat JSON line, redacted, flushed (`docker logs` and the doctor read it live).
 
     On an event loop the flush waits for the end of the current loop step, so the lines of many
     requests handled in one step leave in one write instead of one syscall each."""
-    when = ts.astimezone(timezone.utc) if ts is not None else datetime.now(timezone.utc)
-    line = {"ts": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+    line = {"ts": _Output.clock().isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": level, "service": _Output.service, "event": event, "request_id": request_id, "msg": msg, **fields}
     _Output.stream.write(redact(_ENCODER.encode(line)) + "\n")
     try:
@@ -109,7 +124,10 @@ def _write_record(message: Any) -> None:
     if record["exception"] is not None:
         exc_type, exc, _ = record["exception"]
         extra["exc"] = f"{exc_type.__name__ if exc_type else 'Exception'}: {exc}"
-    _write(record["level"].name, event, request_id, record["message"], extra, record["time"])
+    declared = events.ALL.get(event)
+    if declared is None or not (extra.keys() <= declared.names and extra.keys() >= declared.required) or _Output.strict:
+        _check(event, declared, extra, f"{record['file'].path}:{record['line']}")
+    _write(record["level"].name, event, request_id, record["message"], extra)
 
 
 class _InterceptHandler(logging.Handler):
@@ -123,11 +141,16 @@ class _InterceptHandler(logging.Handler):
         logger.bind(logger=record.name).opt(exception=record.exc_info).log(level, record.getMessage())
 
 
-def setup_logging(service: str, level: str = "INFO", sink: TextIO | None = None) -> None:
-    """Configure logging for `service`; call once at process start (tests may call it again)."""
+def setup_logging(service: str, level: str = "INFO", sink: TextIO | None = None,
+                  clock: Callable[[], datetime] | None = None) -> None:
+    """Configure logging for `service`; call once at process start (tests may call it again).
+
+    `clock` gives each line's time (a timezone-aware datetime); tests pass a fake one."""
     _Output.service = service
     _Output.min_level = _LEVELS[level.upper()]
     _Output.stream = sink or sys.stdout
+    _Output.clock = clock or functools.partial(datetime.now, timezone.utc)
+    _Output.strict = os.environ.get(STRICT_ENV) == "1"
     _Output.flush_loop = None
     logger.remove()
     logger.add(_write_record, level=level.upper(), format="{message}", diagnose=False, backtrace=False)
@@ -146,13 +169,56 @@ def request_context(request_id: str) -> Iterator[None]:
 
 
 def log_event(event: str, msg: str, level: str = "INFO", **fields: Any) -> None:
-    """Log one named event (a constant from stack.common.events) with flat extra fields.
+    """Log one event (a constant from stack.common.events) with the flat fields it declares.
 
     A `request_id` field names the request explicitly (work outside its request's context)."""
-    assert event in events.ALL, f"unknown event {event!r}: add it to stack/common/events.py"
+    request_id = fields.pop("request_id", None)
+    declared = events.ALL.get(event)
+    keys = fields.keys()
+    # Most calls pass every declared field: one set comparison; the others take two.
+    if declared is None or not (keys == declared.names or keys <= declared.names and keys >= declared.required) \
+            or _Output.strict:
+        _check(event, declared, fields, sys._getframe(1))
     if _LEVELS[level] < _Output.min_level:
         return
-    _write(level, event, fields.pop("request_id", None) or _request_id.get(), msg, fields)
+    _write(level, event, request_id or _request_id.get(), msg, fields)
+
+
+_reported: set[tuple[str, str]] = set()  # (event, problem) already warned about
+
+
+def _check(event: str, declared: events.Event | None, fields: dict[str, Any], where: FrameType | str) -> None:
+    """Say what differs from the declaration, precisely enough to fix it: raise (strict) or warn once."""
+    problem = _problem(event, declared, fields, types=_Output.strict)
+    if problem is None:
+        return
+    if isinstance(where, FrameType):
+        where = f"{where.f_code.co_filename}:{where.f_lineno}"
+    message = f"log call at {where}: {problem}"
+    if _Output.strict:
+        raise EventDeclarationError(message)
+    if (event, problem) not in _reported:
+        _reported.add((event, problem))
+        if _LEVELS["WARNING"] >= _Output.min_level:
+            _write("WARNING", events.LOG_FIELDS_MISMATCH, _request_id.get(), message, {"for_event": event, "problem": problem})
+
+
+def _problem(event: str, declared: events.Event | None, fields: dict[str, Any], types: bool) -> str | None:
+    """What differs, by field name (and, with `types`, by value: strict mode only, so that production's
+    warnings stay one per event and problem whatever the values)."""
+    if declared is None:
+        return (f"unknown event {event!r}: declare it in stack/common/events.py, e.g. "
+                f"NAME = Event({event!r}, <service>, <when it is logged>, required=(…))")
+    undeclared, missing = declared.problems(fields)
+    wrong = [f"{name}={value!r} is not {field.type.__name__}" for name, value in fields.items()
+             if types and (field := declared.fields.get(name)) is not None and not field.accepts(value)]
+    if not (undeclared or missing or wrong):
+        return None
+    said = ([f"undeclared field(s) {', '.join(undeclared)}"] if undeclared else []) + \
+           ([f"missing required field(s) {', '.join(missing)}"] if missing else []) + wrong
+    return (f"{event}: {'; '.join(said)}. Fix the call, or the declaration "
+            f"{events.constant_of(declared)} = Event({event!r}, …) in stack/common/events.py "
+            f"(required=… is on every call, optional=… on some)")
 
 
 class AccessLogger(AbstractAccessLogger):

@@ -68,8 +68,8 @@ def test_stdlib_and_exception_lines_share_the_shape_and_levels_filter_both_paths
             raise RuntimeError("boom")
         except RuntimeError:
             logging.getLogger("asyncio").exception("Task exception was never retrieved")
-        log_event(events.AUTH_ACCEPTED, "dropped: below WARNING", "DEBUG")
-        log_event(events.HTTP_ACCESS, "dropped: below WARNING")
+        log_event(events.AUTH_ACCEPTED, "dropped: below WARNING", "DEBUG", key_name="default", header="authorization")
+        log_event(events.SERVICE_STOPPING, "dropped: below WARNING")
         logging.getLogger("grpc").info("dropped: below WARNING")
     lines = [json.loads(line) for line in sink.getvalue().splitlines()]
     assert [(line["level"], line["event"], line["request_id"], line["service"]) for line in lines] == [
@@ -92,11 +92,11 @@ async def test_lines_of_one_loop_step_leave_in_one_flush() -> None:
     sink = _FlushCountingSink()
     setup_logging("router", sink=sink)
     for i in range(3):
-        log_event(events.HTTP_ACCESS, f"line {i}")
+        log_event(events.SERVICE_STOPPING, f"line {i}")
     assert sink.flushes == 0 and len(sink.getvalue().splitlines()) == 3
     await asyncio.sleep(0)
     assert sink.flushes == 1
-    await asyncio.to_thread(log_event, events.HTTP_ACCESS, "from a worker thread")
+    await asyncio.to_thread(log_event, events.SERVICE_STOPPING, "from a worker thread")
     assert sink.flushes == 2
 
 

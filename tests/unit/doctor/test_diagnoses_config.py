@@ -26,10 +26,10 @@ def no_secret(findings) -> None:
         assert SECRET not in f.title + f.cause + f.fix
 
 
-def test_proxy_without_no_proxy_with_a_failing_client(tmp_path):
+def test_proxy_without_no_proxy_with_a_failing_client(bundles, tmp_path):
     """HTTPS_PROXY set, NO_PROXY missing, client connection error → an error naming the variables."""
     env = {"HTTPS_PROXY": "http://user:pw@127.0.0.1:7897", "https_proxy": "http://127.0.0.1:7899"}
-    findings, _ = diagnose("healthy_v1.log", client=("client_codex_disconnect.txt",), home=tmp_path, environ=env)
+    findings, _ = diagnose(bundles / "healthy_v1.log", client=(bundles / "client_codex_disconnect.txt",), home=tmp_path, environ=env)
     f = by_id(findings, "proxy.env_without_no_proxy")
     assert f.severity == "error"
     assert "HTTPS_PROXY=http://127.0.0.1:7897" in f.cause and "pw" not in f.cause
@@ -39,19 +39,19 @@ def test_proxy_without_no_proxy_with_a_failing_client(tmp_path):
 
 
 @pytest.mark.parametrize("no_proxy", ["localhost,127.0.0.1", "*", ".local, localhost"])
-def test_no_proxy_covering_the_router_is_fine(tmp_path, no_proxy):
+def test_no_proxy_covering_the_router_is_fine(bundles, tmp_path, no_proxy):
     """NO_PROXY with the router host (or *) → no proxy finding."""
     env = {"HTTP_PROXY": "http://127.0.0.1:3128", "NO_PROXY": no_proxy}
-    findings, _ = diagnose("healthy_v1.log", home=tmp_path, environ=env)
+    findings, _ = diagnose(bundles / "healthy_v1.log", home=tmp_path, environ=env)
     assert ids(findings) == {"healthy"}
 
 
-def test_proxy_in_claude_settings_env_block(tmp_path):
+def test_proxy_in_claude_settings_env_block(bundles, tmp_path):
     """A proxy in ~/.claude/settings.json's env block counts too (a warning without a client error)."""
     write(tmp_path, ".claude/settings.json", json.dumps({"env": {"HTTPS_PROXY": "http://10.0.0.1:8888",
                                                                   "ANTHROPIC_BASE_URL": "http://localhost:8080",
                                                                   "ANTHROPIC_AUTH_TOKEN": SECRET}}))
-    findings, _ = diagnose("healthy_v1.log", home=tmp_path)
+    findings, _ = diagnose(bundles / "healthy_v1.log", home=tmp_path)
     f = by_id(findings, "proxy.env_without_no_proxy")
     assert f.severity == "warning" and "settings.json" in f.title
     no_secret(findings)
@@ -63,69 +63,69 @@ def test_proxy_in_claude_settings_env_block(tmp_path):
     ({"OPENAI_BASE_URL": "http://localhost:8080"}, "client.base_url_no_v1"),
     ({"ANTHROPIC_BASE_URL": "http://localhost:8080/v1", "ANTHROPIC_AUTH_TOKEN": SECRET}, "client.base_url_extra_v1"),
 ])
-def test_base_url_mistakes(tmp_path, env, fid):
+def test_base_url_mistakes(bundles, tmp_path, env, fid):
     """Engine port instead of the router, /v1 missing (OpenAI) or present (Claude Code) → named, with the right URL."""
-    findings, _ = diagnose("healthy_v1.log", home=tmp_path, environ=env)
+    findings, _ = diagnose(bundles / "healthy_v1.log", home=tmp_path, environ=env)
     f = by_id(findings, fid)
     assert "http://localhost:8080" in f.fix
     no_secret(findings)
 
 
-def test_right_base_urls_are_fine(tmp_path):
+def test_right_base_urls_are_fine(bundles, tmp_path):
     """OPENAI_BASE_URL with /v1 and ANTHROPIC_BASE_URL without it, both on the router → healthy."""
     env = {"OPENAI_BASE_URL": "http://127.0.0.1:8080/v1", "ANTHROPIC_BASE_URL": "http://localhost:8080",
            "ANTHROPIC_AUTH_TOKEN": SECRET}
-    findings, _ = diagnose("healthy_v1.log", home=tmp_path, environ=env)
+    findings, _ = diagnose(bundles / "healthy_v1.log", home=tmp_path, environ=env)
     assert ids(findings) == {"healthy"}
 
 
-def test_claude_pointing_at_router_without_key_uses_oauth(tmp_path):
+def test_claude_pointing_at_router_without_key_uses_oauth(bundles, tmp_path):
     """settings.json base URL = router, no token/key, .credentials.json present → OAuth against the router."""
     write(tmp_path, ".claude/settings.json", json.dumps({"env": {"ANTHROPIC_BASE_URL": "http://localhost:8080"}}))
     write(tmp_path, ".claude/.credentials.json", "{}")
-    findings, _ = diagnose("healthy_v1.log", home=tmp_path)
+    findings, _ = diagnose(bundles / "healthy_v1.log", home=tmp_path)
     f = by_id(findings, "oauth.claude_no_key")
     assert ".credentials.json" in f.cause
     assert '"apiKeyHelper": "printenv TAOTOKEN_API_KEY"' in f.fix and "http://localhost:8080" in f.fix
 
 
-def test_claude_both_credentials_set(tmp_path):
+def test_claude_both_credentials_set(bundles, tmp_path):
     """ANTHROPIC_AUTH_TOKEN and ANTHROPIC_API_KEY both set → auth conflict warning, values never shown."""
     env = {"ANTHROPIC_AUTH_TOKEN": SECRET, "ANTHROPIC_API_KEY": SECRET + "x"}
-    findings, _ = diagnose("healthy_v1.log", home=tmp_path, environ=env)
+    findings, _ = diagnose(bundles / "healthy_v1.log", home=tmp_path, environ=env)
     assert by_id(findings, "oauth.claude_auth_conflict").severity == "warning"
     no_secret(findings)
 
 
-def test_codex_chatgpt_login_without_router_provider(tmp_path):
+def test_codex_chatgpt_login_without_router_provider(bundles, tmp_path):
     """~/.codex/auth.json in ChatGPT mode and no provider → requests go to chatgpt.com; the config to write."""
     write(tmp_path, ".codex/auth.json", json.dumps({"tokens": {"access_token": "eyJ", "refresh_token": "r"}}))
-    findings, _ = diagnose("healthy_v1.log", home=tmp_path)
+    findings, _ = diagnose(bundles / "healthy_v1.log", home=tmp_path)
     f = by_id(findings, "oauth.codex_chatgpt_login")
     assert 'base_url = "http://localhost:8080/v1"' in f.fix and 'wire_api = "responses"' in f.fix
     assert 'env_key = "TAOTOKEN_API_KEY"' in f.fix
 
 
-def test_codex_provider_mistakes(tmp_path):
+def test_codex_provider_mistakes(bundles, tmp_path):
     """base_url without /v1, env_key unset, wire_api = chat → three findings."""
     write(tmp_path, ".codex/config.toml", 'model_provider = "pd"\n[model_providers.pd]\nname = "pd"\n'
           'base_url = "http://localhost:8080"\nenv_key = "PD_KEY"\nwire_api = "chat"\n')
-    findings, _ = diagnose("healthy_v1.log", home=tmp_path)
+    findings, _ = diagnose(bundles / "healthy_v1.log", home=tmp_path)
     assert {"oauth.codex_base_url", "oauth.codex_env_key_unset", "oauth.codex_wire_api"} <= ids(findings)
     assert "PD_KEY" in by_id(findings, "oauth.codex_env_key_unset").title
 
 
-def test_codex_provider_right(tmp_path):
+def test_codex_provider_right(bundles, tmp_path):
     """A provider on the router with /v1, a set env_key and wire_api responses → healthy."""
     write(tmp_path, ".codex/config.toml", 'model_provider = "pd"\n[model_providers.pd]\nname = "pd"\n'
           'base_url = "http://localhost:8080/v1"\nenv_key = "PD_KEY"\nwire_api = "responses"\n')
-    findings, _ = diagnose("healthy_v1.log", home=tmp_path, environ={"PD_KEY": SECRET, "CODEX_HOME": "x"})
+    findings, _ = diagnose(bundles / "healthy_v1.log", home=tmp_path, environ={"PD_KEY": SECRET, "CODEX_HOME": "x"})
     assert ids(findings) == {"healthy"}
 
 
-def test_dirty_key_variable(tmp_path):
+def test_dirty_key_variable(bundles, tmp_path):
     """A key variable with a trailing newline or quotes is flagged by name only."""
-    findings, _ = diagnose("healthy_v1.log", home=tmp_path, environ={"OPENAI_API_KEY": f'"{SECRET}"\n'})
+    findings, _ = diagnose(bundles / "healthy_v1.log", home=tmp_path, environ={"OPENAI_API_KEY": f'"{SECRET}"\n'})
     f = by_id(findings, "auth.key_not_clean")
     assert "OPENAI_API_KEY" in f.title
     no_secret(findings)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from stack.common import events
 from tests.unit.doctor.helpers import by_id, diagnose
+from tests.unit.doctor.scenarios import Log
 
 
 def services(finding) -> set[str]:
@@ -12,17 +14,17 @@ def services(finding) -> set[str]:
 
 
 @pytest.mark.parametrize("bundle", ["healthy_v2ts.log", "healthy_v1.log", "healthy_split"])
-def test_healthy_stack_gives_no_finding_and_says_so(bundle):
+def test_healthy_stack_gives_no_finding_and_says_so(bundles, bundle):
     """A working stack (any compose format, skewed clock, garbage lines) yields only the healthy summary."""
-    findings, ctx = diagnose(bundle)
+    findings, ctx = diagnose(bundles / bundle)
     assert [f.id for f in findings] == ["healthy"]
     assert findings[0].title == "healthy: 5 requests went router → prefill → KV → decode"
     assert findings[0].severity == "ok"
 
 
-def test_router_started_without_key():
+def test_router_started_without_key(bundles):
     """auth.key_missing at start + no_keys_configured rejections → the env var was not injected."""
-    findings, _ = diagnose("router_key_missing.log")
+    findings, _ = diagnose(bundles / "router_key_missing.log")
     f = by_id(findings, "auth.router_key_missing")
     assert f.severity == "error"
     assert "TAOTOKEN_API_KEY" in f.title
@@ -32,9 +34,9 @@ def test_router_started_without_key():
     assert [x.id for x in findings] == ["auth.router_key_missing"]
 
 
-def test_each_401_reason_and_quota_told_from_rate_limit():
+def test_each_401_reason_and_quota_told_from_rate_limit(bundles):
     """Missing header, whitespace and unknown key are separate findings; quota is an error, rate a warning."""
-    findings, _ = diagnose("auth_mixed.log")
+    findings, _ = diagnose(bundles / "auth_mixed.log")
     ids = {f.id: f for f in findings}
     assert set(ids) == {"auth.no_header", "auth.key_whitespace", "auth.unknown_key", "limit.quota_exhausted",
                         "limit.rate_limited"}
@@ -46,16 +48,16 @@ def test_each_401_reason_and_quota_told_from_rate_limit():
     assert "limit.quota_exhausted" in ids["limit.quota_exhausted"].evidence[0].line
 
 
-def test_pasted_401_without_router_rejection_is_not_from_the_router():
+def test_pasted_401_without_router_rejection_is_not_from_the_router(bundles):
     """A client 401 while the router rejected nothing → the request went to another server."""
-    findings, _ = diagnose("healthy_v2ts.log", client=("client_openai_401.txt",))
+    findings, _ = diagnose(bundles / "healthy_v2ts.log", client=(bundles / "client_openai_401.txt",))
     f = by_id(findings, "auth.not_from_router")
     assert "client" in services(f)
 
 
-def test_decode_failed_after_successful_prefill():
+def test_decode_failed_after_successful_prefill(bundles):
     """router.prefill_done then decode 500 → evidence from the router and from decode, with the client's KeyError."""
-    findings, _ = diagnose("decode_failed.log", client=("client_keyerror.txt",))
+    findings, _ = diagnose(bundles / "decode_failed.log", client=(bundles / "client_keyerror.txt",))
     f = by_id(findings, "choices.decode_failed")
     assert services(f) == {"client", "router", "decode"}
     assert any('"router.prefill_done"' in e.line for e in f.evidence)
@@ -65,50 +67,51 @@ def test_decode_failed_after_successful_prefill():
     assert "request.stopped" not in {x.id for x in findings}
 
 
-def test_keyerror_on_an_error_body_names_the_status():
+def test_keyerror_on_an_error_body_names_the_status(bundles):
     """A KeyError: 'choices' next to 401s → an error body reached the client; the statuses are named."""
-    findings, _ = diagnose("auth_mixed.log", client=("client_keyerror.txt",))
+    findings, _ = diagnose(bundles / "auth_mixed.log", client=(bundles / "client_keyerror.txt",))
     f = by_id(findings, "choices.error_body")
     assert "401 ×4" in f.title and "429 ×2" in f.title
 
 
-def test_stream_cut_mid_way_has_no_done():
+def test_stream_cut_mid_way_has_no_done(bundles):
     """router.decode_failed mid_stream=true → a stream without [DONE]."""
-    findings, _ = diagnose("stream_cut.log")
+    findings, _ = diagnose(bundles / "stream_cut.log")
     f = by_id(findings, "choices.stream_without_done")
     assert services(f) == {"router", "decode"}
     assert any(e.service == "decode" and "http.error" in e.line for e in f.evidence)
 
 
-def test_index_error_on_usage_chunk():
+def test_index_error_on_usage_chunk(bundles):
     """IndexError with a stream that ended with a usage chunk → the client must skip empty choices."""
-    findings, _ = diagnose("usage_chunk.log", client=("client_index_error.txt",))
+    findings, _ = diagnose(bundles / "usage_chunk.log", client=(bundles / "client_index_error.txt",))
     f = by_id(findings, "choices.empty_choices_chunk")
     assert f.severity == "warning"
     assert "if not chunk.choices: continue" in f.fix
 
 
-def test_kv_port_mismatch():
+def test_kv_port_mismatch(bundles):
     """connect refused to decode:9100 while decode listens on 9200 → kv_port mismatch, both ports named."""
-    findings, _ = diagnose("kv_port_mismatch.log")
+    findings, _ = diagnose(bundles / "kv_port_mismatch.log")
     f = by_id(findings, "kv.port_mismatch")
     assert "decode:9100" in f.title and "9200" in f.title
     assert {"prefill", "decode", "router"} <= services(f)
     assert any("kv_consumer.listening" in e.line for e in f.evidence)
+    assert "KV_TRANSFER_PORT=9200 in .env" in f.fix and "decode/config.json" in f.fix
     assert [x.id for x in findings] == ["kv.port_mismatch"]  # the decode timeouts are folded in
 
 
-def test_kv_port_unreachable_is_a_network_problem():
+def test_kv_port_unreachable_is_a_network_problem(bundles):
     """connect timed out → unreachable (network), not a port mismatch."""
-    findings, _ = diagnose("kv_unreachable.log")
+    findings, _ = diagnose(bundles / "kv_unreachable.log")
     f = by_id(findings, "kv.unreachable")
     assert "socket.create_connection(('decode', 9100)" in f.fix
     assert "kv.port_mismatch" not in {x.id for x in findings}
 
 
-def test_kv_buffer_too_small_only_for_long_prompts():
+def test_kv_buffer_too_small_only_for_long_prompts(bundles):
     """buffer_full names both numbers and the failed prompt sizes vs the largest that succeeded."""
-    findings, _ = diagnose("kv_buffer_full.log")
+    findings, _ = diagnose(bundles / "kv_buffer_full.log")
     f = by_id(findings, "kv.buffer_too_small")
     assert "8192000 bytes > 262144 bytes" in f.title
     assert "Failed prompts: 1800, 4000 tokens" in f.cause
@@ -117,56 +120,76 @@ def test_kv_buffer_too_small_only_for_long_prompts():
     assert "kv_buffer_size" in f.fix and "7e7" in f.fix
 
 
-def test_decode_timeout_without_a_push():
+def test_decode_timeout_without_a_push(bundles):
     """kv_consumer.timeout with no kv_producer.sent for the transfer → prefill never sent."""
-    findings, _ = diagnose("kv_timeout.log")
+    findings, _ = diagnose(bundles / "kv_timeout.log")
     f = by_id(findings, "kv.timeout_never_sent")
     assert "decode" in services(f)
     assert "5000 ms" in f.title
 
 
-def test_model_version_mismatch():
+def test_model_version_mismatch(bundles):
     """A fingerprint mismatch names both model versions."""
-    findings, _ = diagnose("kv_model_mismatch.log")
+    findings, _ = diagnose(bundles / "kv_model_mismatch.log")
     f = by_id(findings, "kv.model_mismatch")
     assert "llama-tiny-seed1-77d0b3c1" in f.cause and "llama-tiny-seed0-4c1f9a2e" in f.cause
     assert {"prefill", "decode"} <= services(f)
 
 
-def test_router_not_running():
+def test_router_not_running(bundles):
     """Only engine lines and a client connection error → the router is not running."""
-    findings, _ = diagnose("router_down.log", client=("client_codex_disconnect.txt",))
+    findings, _ = diagnose(bundles / "router_down.log", client=(bundles / "client_codex_disconnect.txt",))
     f = by_id(findings, "router.not_running")
     assert "client" in services(f)
     assert "docker compose up -d router" in f.fix
 
 
-def test_client_error_not_in_router_log():
+def test_client_error_not_in_router_log(bundles):
     """CC Switch 'local proxy failed' while the router saw only other requests → cannot reach the router."""
-    findings, _ = diagnose("healthy_v1.log", client=("client_ccswitch.txt",))
+    findings, _ = diagnose(bundles / "healthy_v1.log", client=(bundles / "client_ccswitch.txt",))
     f = by_id(findings, "client.cannot_reach_router")
     assert "CC Switch" in f.cause
     assert {"client", "router"} == services(f)
 
 
-def test_oauth_expired_pasted():
+def test_oauth_expired_pasted(bundles):
     """'OAuth token has expired' → the client uses its own OAuth login, fix names the router and the env var."""
-    findings, _ = diagnose("healthy_v1.log", client=("client_oauth_expired.txt",))
+    findings, _ = diagnose(bundles / "healthy_v1.log", client=(bundles / "client_oauth_expired.txt",))
     f = by_id(findings, "oauth.token_expired")
     assert "http://localhost:8080" in f.fix and "TAOTOKEN_API_KEY" in f.fix
 
 
-def test_recorded_healthy_stack():
+def test_recorded_healthy_stack(bundles):
     """Logs really printed by a compose stack (3 streamed requests, health probes) → healthy, probes not counted."""
-    findings, ctx = diagnose("recorded_healthy.log")
+    findings, ctx = diagnose(bundles / "recorded_healthy.log")
     assert [f.title for f in findings] == ["healthy: 3 requests went router → prefill → KV → decode"]
     assert len(ctx.timelines) == 3
 
 
-def test_recorded_kv_port_mismatch():
+def test_recorded_kv_port_mismatch(bundles):
     """Logs really printed after decode was recreated with kv_port 9200 → kv.port_mismatch and nothing else."""
-    findings, _ = diagnose("recorded_kv_port.log")
+    findings, _ = diagnose(bundles / "recorded_kv_port.log")
     assert [f.id for f in findings] == ["kv.port_mismatch"]
     f = findings[0]
     assert f.request_ids == ("rec-kvport-0",)
     assert {"router", "prefill", "decode"} == services(f)
+
+
+def test_kv_cut_mid_payload_without_any_port_in_the_logs_says_the_port_is_unknown(tmp_path):
+    """Transfers cut mid-payload and no line naming decode's KV port → no guessed port: the fix asks decode for it."""
+    log = Log()
+    log.ev("decode", events.KV_CONSUMER_INCOMPLETE, "KV connection from 172.18.0.3:41822 closed after 4096 of 81920 "
+           "payload bytes", "req-cut", transfer_id="kv-cut", received=4096, bytes=81920, peer="172.18.0.3:41822")
+    log.write(tmp_path / "decode.log", "v2")
+    findings, _ = diagnose(tmp_path / "decode.log")
+    f = by_id(findings, "kv.unreachable")
+    assert "decode's KV port is not in these logs" in f.fix and "/health" in f.fix
+    assert "9100" not in f.fix
+
+
+@pytest.mark.parametrize("bundle", ["auth_mixed.log", "decode_failed.log", "kv_buffer_full.log", "kv_model_mismatch.log",
+                                    "kv_port_mismatch.log", "kv_timeout.log", "kv_unreachable.log", "stream_cut.log"])
+def test_fixes_name_the_config_files_where_they_live(bundles, bundle):
+    """Fix texts point at prefill/, decode/ and router/ at the top of the checkout, not at files inside stack/."""
+    findings, _ = diagnose(bundles / bundle)
+    assert not [f.id for f in findings if "stack/" in f.fix or "stack/" in f.cause]

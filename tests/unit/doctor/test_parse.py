@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 import pytest
 
 from doctor.parse import classify_client_line, parse_lines, service_from_name
-from tests.unit.doctor.helpers import BUNDLES
+from stack.common import events
+from tests.unit.doctor.scenarios import Log
 
-JSON = ('{"ts": "2026-11-29T20:31:55.123Z", "level": "INFO", "service": "prefill", "event": "kv_producer.sent", '
-        '"request_id": "r1", "msg": "pushed", "transfer_id": "t1", "bytes": 2048}')
+
+def _sent_line() -> str:
+    """A kv_producer.sent line as prefill logs it, at 2026-11-29T20:31:55.123Z."""
+    log = Log(skew={})
+    log.now = datetime(2026, 11, 29, 20, 31, 55, 123000, tzinfo=timezone.utc)
+    log.ev("prefill", events.KV_PRODUCER_SENT, "pushed", "r1", transfer_id="t1", decode_kv_addr="decode:9100",
+           num_tokens=1, bytes=2048, transfer_ms=0.1, gbps=20.5)
+    return log.render("raw")[0]
+
+
+JSON = _sent_line()
 
 
 @pytest.mark.parametrize("line", [
@@ -26,7 +38,8 @@ def test_every_compose_format_gives_the_same_record(line):
     [record] = records
     assert (record.service, record.event, record.request_id, record.ts) == \
            ("prefill", "kv_producer.sent", "r1", "2026-11-29T20:31:55.123Z")
-    assert record.get("bytes") == 2048
+    assert record[events.BYTES] == 2048
+    assert stats.undeclared == 0
     assert record.line == JSON
 
 
@@ -50,9 +63,9 @@ def test_garbage_is_counted_and_skipped():
     assert stats.lines == 5  # the blank line is not counted
 
 
-def test_healthy_bundle_reads_every_event_and_counts_garbage():
+def test_healthy_bundle_reads_every_event_and_counts_garbage(bundles):
     """The v2 bundle with garbage: every JSON line is a record, the 2 corrupt lines are counted."""
-    text = (BUNDLES / "healthy_v2ts.log").read_text(encoding="utf-8").splitlines()
+    text = (bundles / "healthy_v2ts.log").read_text(encoding="utf-8").splitlines()
     records, stats = parse_lines(text, "healthy")
     assert stats.unreadable == 2
     assert {r.service for r in records} == {"router", "prefill", "decode"}
@@ -90,4 +103,4 @@ def test_client_401_line_keeps_status_and_is_a_client_record():
     """A pasted SDK 401 becomes a client record with its HTTP status."""
     records, _ = parse_lines(["openai.AuthenticationError: Error code: 401 - {'error': {}}"], "stdin")
     [record] = records
-    assert (record.service, record.event, record.get("status")) == ("client", "client.auth_401", 401)
+    assert (record.service, record.event, record.data["status"]) == ("client", "client.auth_401", 401)

@@ -2,7 +2,7 @@
 
 recorded_healthy.log  — `docker compose logs --timestamps` after 3 streamed requests (v2 prefixes)
 recorded_kv_port.log  — the same after decode was recreated with kv_port 9200 and 1 more request
-Both are what our services really printed (the synthetic bundles next to them add skew and garbage).
+Both are what our services really printed (the scenario bundles, tests/unit/doctor/scenarios.py, add skew and garbage).
 """
 
 from __future__ import annotations
