@@ -31,7 +31,33 @@ ASK_DECODE = ("docker compose exec decode python -c \"import urllib.request; "
 
 
 def check(ctx: Context) -> list[Finding]:
-    return _connect_failures(ctx) + _buffer_full(ctx) + _timeouts(ctx) + _model_mismatch(ctx) + _corrupt(ctx)
+    reported = _reported_mismatch(ctx)
+    refused = [f for f in _connect_failures(ctx) if not (reported and f.id == "kv.port_mismatch")]
+    return reported + refused + _buffer_full(ctx) + _timeouts(ctx) + _model_mismatch(ctx) + _corrupt(ctx)
+
+
+def _reported_mismatch(ctx: Context) -> list[Finding]:
+    """The router was given a KV port (KV_TRANSFER_PORT or a kv_addrs port) that decode does not use.
+    The router says so itself (router.kv_port_mismatch) and pushes to decode's own port, so requests work;
+    the override is dead config that misleads whoever reads it (and breaks a router that cannot ask)."""
+    mismatches = ctx.by_event(events.ROUTER_KV_PORT_MISMATCH)
+    if not mismatches:
+        return []
+    first = mismatches[0]
+    configured, used = first[events.CONFIGURED_PORT], first[events.REPORTED_PORT]
+    source = first[events.CONFIGURED_BY] or "the router's settings"
+    listening = ctx.by_event(events.KV_CONSUMER_LISTENING)
+    where = ("KV_TRANSFER_PORT in .env (or the router's environment)" if source == "KV_TRANSFER_PORT" else source)
+    return [finding(
+        "kv.port_mismatch", "warning",
+        f"kv_port mismatch: the router was given {configured} ({source}) but decode listens on {used} "
+        f"({first[events.REPORTED_BY] or 'its GET /health'}); the router uses {used}",
+        "The router learns each decode's KV port from the decode itself, so KV still moves; the other value is "
+        "stale configuration. Anything that trusts it (a script, a firewall rule, another router version) "
+        "points at a port nothing listens on.",
+        f"make the two agree: remove or correct {where} (= {configured}), or set kv_transfer_config.kv_port "
+        f"in decode/config.json to the port you mean (now {used}); then {RESTART}",
+        mismatches[:2] + listening[:1])]
 
 
 def _host_port(addr: str | None) -> tuple[str, int] | None:

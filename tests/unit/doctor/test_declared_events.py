@@ -43,6 +43,7 @@ def test_the_checks_find_what_the_declared_events_say():
         "auth.router_key_missing",  # auth.key_missing
         "auth.unknown_key",  # auth.rejected (its example reason is no auth reason: told as an unknown key)
         "limit.quota_exhausted", "limit.rate_limited",
+        "kv.port_mismatch",  # router.kv_port_mismatch (the router was given a port decode does not use)
         "kv.port_closed",  # kv_producer.connect_failed refused + kv_consumer.listening on that very port
         "kv.unreachable",  # kv_consumer.incomplete
         "kv.buffer_too_small", "kv.model_mismatch", "kv.checksum_mismatch",

@@ -193,3 +193,24 @@ def test_fixes_name_the_config_files_where_they_live(bundles, bundle):
     """Fix texts point at prefill/, decode/ and router/ at the top of the checkout, not at files inside stack/."""
     findings, _ = diagnose(bundles / bundle)
     assert not [f.id for f in findings if "stack/" in f.fix or "stack/" in f.cause]
+
+
+def test_kv_port_the_router_was_given_but_decode_does_not_use(tmp_path):
+    """router.kv_port_mismatch (the router pushes to decode's reported port, requests work) → a warning naming
+    both ports and where each came from, with the router's and decode's lines as evidence; no refused-port error."""
+    from tests.unit.doctor.scenarios import request, startup
+
+    log = Log()
+    startup(log, kv_port=9200)
+    log.ev("router", events.ROUTER_KV_PORT_MISMATCH, "decode http://decode:8000 reports kv_port 9200, not 9100",
+           backend="http://decode:8000", kv_addr="decode:9200", reported_port=9200,
+           reported_by="GET http://decode:8000/health", configured_port=9100, configured_by="KV_TRANSFER_PORT")
+    request(log, 1, kv_addr="decode:9200")
+    log.write(tmp_path / "stack.log", "v2")
+    findings, _ = diagnose(tmp_path / "stack.log")
+    f = by_id(findings, "kv.port_mismatch")
+    assert f.severity == "warning"
+    assert "9100 (KV_TRANSFER_PORT)" in f.title and "decode listens on 9200" in f.title
+    assert {"router", "decode"} <= services(f)
+    assert "KV_TRANSFER_PORT in .env" in f.fix and "decode/config.json" in f.fix
+    assert [x.id for x in findings if x.severity == "error"] == []
