@@ -189,6 +189,9 @@ FAILURES = Field("failures", int, 5)
 ZMQ_ADDRESS = Field("zmq_address", str, "10.0.0.5:21001")
 SENDER = Field("sender", str, "b'\\x00k\\x8bEg'", "the ZMQ identity of a sender")
 CLIENT_ASKED = Field("client_asked", bool, True, "the client itself sent stream_options.include_usage")
+CAPABILITIES = Field("capabilities", list, ["tools", "structured_outputs"],
+                     "capability flags (stack.protocol.capabilities.Capabilities field names) that are set")
+PARAM = Field("param", str, "tool_choice", "the request parameter, as the client named it")
 
 # -- any service -------------------------------------------------------------------------------
 SERVICE_STARTING = Event(
@@ -334,6 +337,12 @@ P2PNCCL_LEFT = Event("p2pnccl.left", ROUTER, "a P2pNccl instance stopped pinging
                      required=(ROLE, BACKEND, ZMQ_ADDRESS), level="WARNING")
 P2PNCCL_BAD_PING = Event("p2pnccl.bad_ping", ROUTER, "a registration not in vLLM's format (once per sender)",
                          required=(SENDER, ERROR), level="WARNING")
+BACKEND_CAPABILITIES = Event("backend.capabilities", ROUTER,
+                             "what a backend can do, learned from its GET /health or set in settings.toml (on change)",
+                             required=(BACKEND, ROLE, CAPABILITIES, REPORTED_BY))
+ROUTER_UNSUPPORTED = Event("router.unsupported_parameter", ROUTER,
+                           "400: the request asks for what the backends cannot do (their declared capabilities)",
+                           required=(API, PARAM, CAPABILITIES), level="WARNING")
 
 ALL: Mapping[str, Event] = {value: value for value in dict(globals()).values() if isinstance(value, Event)}
 

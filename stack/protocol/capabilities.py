@@ -3,13 +3,17 @@
 `fit(request, caps)` refuses what the backend cannot do (400 `unsupported_parameter` naming the
 field, never silently ignored) and drops what has no effect on it (tool definitions with
 tool_choice auto/none, for a model that never calls tools: agents always send their tool list).
-Router and engine both call it; for now both use `CPU_ENGINE`. A backend kind with more
-abilities (vLLM) is another `Capabilities` value, chosen per backend.
+The engine checks requests against its own value (`CPU_ENGINE` until it does more); the router
+against what every backend it may pick declares (issue 10): learned from our engine's GET /health
+`"capabilities": [flag names]`, or set per pool in router/settings.toml (`capabilities = "vllm"`,
+a preset, or a list of flag names) for backends that report nothing (vLLM). `PRESETS["vllm"]` is
+everything vLLM's OpenAI server takes (vllm/entrypoints/openai/protocol.py `ChatCompletionRequest`,
+`CompletionRequest`), so those requests pass through unchanged.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from stack.common.errors import InvalidRequest
 from stack.protocol.types import Request, Sampling
@@ -30,9 +34,56 @@ class Capabilities:
     min_p: bool = False
     min_tokens: bool = False
     stop_token_ids: bool = False
+    vllm_extras: bool = False  # vLLM's other request fields (VLLM_EXTRAS) are forwarded verbatim
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The flags that are set, in declaration order (what GET /health reports)."""
+        return tuple(name for name in FLAGS if getattr(self, name))
+
+    def __and__(self, other: Capabilities) -> Capabilities:
+        """What both backends honour (a request may land on either)."""
+        return Capabilities(**{name: getattr(self, name) and getattr(other, name) for name in FLAGS})
 
 
-CPU_ENGINE = Capabilities()  # the numpy engine (stack/engine): none of the extras
+FLAGS: tuple[str, ...] = tuple(f.name for f in fields(Capabilities))
+CPU_ENGINE = Capabilities()  # the numpy engine (stack/engine) before it does the extras
+VLLM = Capabilities(**dict.fromkeys(FLAGS, True))
+PRESETS: dict[str, Capabilities] = {"none": CPU_ENGINE, "vllm": VLLM}
+
+# vLLM request fields outside the contract (vllm/entrypoints/openai/protocol.py, ChatCompletionRequest's and
+# CompletionRequest's "-- begin of vLLM-specific sampling/extra parameters --" blocks), forwarded unchanged to a
+# backend with `vllm_extras`; anyone else answers them with the unknown-parameter 400.
+VLLM_EXTRAS: frozenset[str] = frozenset({
+    "best_of", "use_beam_search", "length_penalty", "include_stop_str_in_output", "skip_special_tokens",
+    "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids", "bad_words",
+    "echo", "add_generation_prompt", "continue_final_message", "add_special_tokens", "documents", "chat_template",
+    "chat_template_kwargs", "mm_processor_kwargs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag", "priority", "request_id",
+    "logits_processors", "return_tokens_as_token_ids", "return_token_ids", "cache_salt", "vllm_xargs",
+    "prompt_embeds", "thinking_token_budget",
+})
+
+
+def from_setting(value: str | tuple[str, ...] | list[str]) -> Capabilities:
+    """A settings.toml `capabilities` value: a preset name ("vllm", "none") or a list of flag names.
+
+    ValueError says what is wrong (the config loader adds file and key)."""
+    if isinstance(value, str):
+        if value not in PRESETS:
+            raise ValueError(f"unknown preset {value!r}: use one of {', '.join(PRESETS)} or a list of flags ({', '.join(FLAGS)})")
+        return PRESETS[value]
+    return from_names(value)
+
+
+def from_names(names: object) -> Capabilities:
+    """The flags a backend reported (GET /health `capabilities`); ValueError for a name that is no flag."""
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"expected a list of flag names, got {names!r}")
+    unknown = [n for n in names if n not in FLAGS]
+    if unknown:
+        raise ValueError(f"unknown capability {unknown[0]!r} (known: {', '.join(FLAGS)})")
+    return Capabilities(**dict.fromkeys(names, True))
 
 _NOT_SUPPORTED = "is not supported by this deployment"
 # Sampling field -> (flag it needs, values that mean "off" and need nothing, why it is refused)

@@ -33,6 +33,38 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def lone_surrogate(value: Any, where: str = "") -> tuple[str, int] | None:
+    """(the field, the character index) of the first lone UTF-16 surrogate in any string of `value`
+    (keys included), or None. JSON's "\\ud800" escapes decode to such code points; no tokenizer
+    can encode them (not Unicode scalar values), so the contract refuses them before any engine does."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return where, exc.start
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = lone_surrogate(key, where) or lone_surrogate(item, f"{where}.{key}" if where else key)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if found := lone_surrogate(item, f"{where}[{i}]"):
+                return found
+    return None
+
+
+def check_unicode(value: Any, where: str = "") -> None:
+    """The 400 naming the field that holds a lone surrogate (see `lone_surrogate`)."""
+    found = lone_surrogate(value, where)
+    if found is not None:
+        field, index = found
+        raise InvalidRequest(f"Invalid value for '{field or 'body'}': the text holds a lone UTF-16 surrogate at character {index}, "
+                             "which is not valid Unicode (a character cut in half?); send well-formed text.",
+                             param=field or None, code="invalid_value")
+
+
 class Fields:
     """Typed access to one JSON object's fields (`prefix` names where it sits, e.g. "stream_options.")."""
 
@@ -66,6 +98,7 @@ class Fields:
             return default
         if not isinstance(value, str):
             raise self.wrong(name, "a string", value)
+        check_unicode(value, self.label(name))
         return value
 
     def boolean(self, name: str, default: bool = False) -> bool:

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from stack.common import events
 from stack.common.config import check
 from stack.common.logging import log_event
+from stack.protocol.capabilities import Capabilities, from_setting
 
 DEFAULT_HEALTH_PORT = 50051
 HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")  # host:port, [v6]:port
@@ -61,6 +62,10 @@ class PoolConfig:
     kv_addrs: tuple[str, ...] = ()
     health_addrs: tuple[str, ...] = ()  # gRPC health address per endpoint (default host:50051)
     health_check: Literal["grpc", "http"] = "grpc"  # our engines serve gRPC health; vLLM serves GET /health
+    # What these engines can do (stack.protocol.capabilities): "auto" = what each reports on GET /health
+    # (`capabilities`, our engine; nothing reported = none of the extras), a preset ("vllm": all vLLM takes,
+    # "none"), or a list of flag names. Requests asking for more get the API's 400 naming the parameter.
+    capabilities: str | tuple[str, ...] = "auto"
 
     def __post_init__(self) -> None:
         for i, url in enumerate(self.urls):
@@ -70,6 +75,11 @@ class PoolConfig:
             addrs = getattr(self, name)
             check(not addrs or len(addrs) == len(self.urls), name,
                   f"needs one address per endpoint ({len(self.urls)}), got {len(addrs)}")
+        if self.capabilities != "auto":
+            try:
+                from_setting(self.capabilities)
+            except ValueError as exc:
+                check(False, "capabilities", str(exc))
         for i, addr in enumerate(self.health_addrs):
             check(bool(HOST_PORT.match(addr)), f"health_addrs[{i}]", f"must be host:port, got {addr!r}")
         for i, addr in enumerate(self.kv_addrs):
@@ -84,6 +94,11 @@ class PoolConfig:
     def urls(self) -> tuple[str, ...]:
         merged = ((self.endpoint,) if self.endpoint else ()) + self.endpoints
         return tuple(dict.fromkeys(url.rstrip("/") for url in merged))
+
+    @property
+    def declared(self) -> Capabilities | None:
+        """The capabilities settings.toml sets for this pool, or None: learn them from each backend."""
+        return None if self.capabilities == "auto" else from_setting(self.capabilities)
 
     def health_addr(self, index: int) -> str:
         if self.health_check == "http":

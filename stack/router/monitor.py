@@ -6,6 +6,10 @@
         SERVING                                    → up; a pd-push decode first tells its KV address (discovery.py),
                                                      on every return, and stays down until it has
     the engines' model id                          → from a decode's /v1/models, once one answers
+    each backend's capabilities                    → settings.toml [prefill]/[decode] `capabilities` when set, else
+                                                     its GET /health `capabilities` (asked when it comes up; none
+                                                     reported = none of the extras); `capabilities` is what every
+                                                     backend a request may reach honours (the intersection)
     vLLM P2pNccl instances (p2pnccl.py Registry)   → join and leave the pools
 
 Every change goes through the Scheduler (`mark`, `add_backend`, `remove_backend`), which wakes the
@@ -21,8 +25,11 @@ from collections.abc import Callable, Iterable
 import aiohttp
 from loguru import logger
 
+from stack.common import events
 from stack.common.health import NOT_SERVING, SERVING, TIMEOUT, UNREACHABLE, probe_async
-from stack.router.backends import Backend, Breaker
+from stack.common.logging import log_event
+from stack.protocol.capabilities import CPU_ENGINE, FLAGS, Capabilities, from_names
+from stack.router.backends import Backend, Breaker, PoolConfig
 from stack.router.config import RouterConfig
 from stack.router.discovery import KVAddressUnknown, KVDiscovery
 from stack.router.metrics import GaugeSample, Metrics
@@ -44,6 +51,8 @@ class HealthMonitor:
         self.kv = kv
         self.model = config.taotoken.model_id  # the engines' model id once learned; the public one until then
         self._model_learned = False
+        self.max_model_len: int | None = None  # the engines' context length (their /v1/models `max_model_len`, vLLM's field)
+        self._capabilities: dict[str, Capabilities] = {}  # by backend URL: learned from GET /health (pools on "auto")
         self._clock = clock
         self._loop: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -60,6 +69,8 @@ class HealthMonitor:
         """One round before the first request (real states, KV addresses known), the model id, then the loop."""
         interval_ms = self.config.scheduler.health_interval_ms
         await self._round(probe=bool(interval_ms))  # without probes: only the KV addresses, once
+        if not interval_ms:
+            await asyncio.gather(*(self._learn_capabilities(b) for b in self.scheduler.backends))
         await self._learn_model()
         if interval_ms:
             self._loop = asyncio.create_task(self._every(interval_ms / 1000), name="pd-health-monitor")
@@ -76,8 +87,11 @@ class HealthMonitor:
         """A registered vLLM P2pNccl instance joins its pool; its health is vLLM's GET /health."""
         pool, settings = (self.config.prefill if role == "prefill" else self.config.decode), self.config.scheduler
         breaker = Breaker(url, settings.breaker_failures, settings.breaker_cooldown_ms / 1000, self._clock)
-        self.scheduler.add_backend(Backend(url, role, pool.max_concurrent, f"{url}/health", breaker, "http",  # type: ignore[arg-type]
-                                           kv_addr=zmq_address))
+        backend = Backend(url, role, pool.max_concurrent, f"{url}/health", breaker, "http", kv_addr=zmq_address)  # type: ignore[arg-type]
+        self.scheduler.add_backend(backend)
+        task = asyncio.get_running_loop().create_task(self._learn_capabilities(backend))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
         if role == "decode" and not self._model_learned:
             task = asyncio.get_running_loop().create_task(self._learn_model())
             self._background.add(task)
@@ -114,6 +128,9 @@ class HealthMonitor:
         # A decode coming (back) up may listen on another KV port now: ask before it takes requests.
         asking = [b for b, up, _ in verdicts if up and self._learns_kv(b) and (not b.up or b.kv_addr is None)]
         unknown = dict(zip(asking, await asyncio.gather(*(self._kv_problem(b) for b in asking))))
+        # A backend coming (back) up may be another engine version: ask what it can do before it takes requests.
+        await asyncio.gather(*(self._learn_capabilities(b) for b, up, _ in verdicts
+                               if up and (not b.up or b.url not in self._capabilities)))
         changed = False
         for backend, up, reason in verdicts:
             if unknown.get(backend):
@@ -146,6 +163,57 @@ class HealthMonitor:
         except aiohttp.ClientError:
             return UNREACHABLE
 
+    # -- capabilities ----------------------------------------------------------------------------------
+    def _pool_config(self, backend: Backend) -> PoolConfig:
+        return self.config.prefill if backend.role == "prefill" else self.config.decode
+
+    def backend_capabilities(self, backend: Backend) -> Capabilities | None:
+        """What `backend` honours: its pool's setting, else what it reported (None: not asked yet)."""
+        declared = self._pool_config(backend).declared
+        return declared if declared is not None else self._capabilities.get(backend.url)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What every backend a request may reach honours: the decode and prefill pools' intersection (a
+        request goes through a prefill and a decode, either may be picked). Backends not asked yet do not
+        count (they take no request before the round that asks them); none known: none of the extras."""
+        known = [c for b in self.scheduler.backends if (c := self.backend_capabilities(b)) is not None]
+        if not known:
+            return CPU_ENGINE
+        result = known[0]
+        for caps in known[1:]:
+            result &= caps
+        return result
+
+    async def _learn_capabilities(self, backend: Backend) -> None:
+        """Ask `backend`'s GET /health for its `capabilities` (pools set in settings.toml are not asked)."""
+        pool = self._pool_config(backend)
+        if pool.declared is not None:
+            if backend.url not in self._capabilities:
+                self._capabilities[backend.url] = pool.declared
+                log_event(events.BACKEND_CAPABILITIES, f"{backend.url}: capabilities set in settings", backend=backend.url,
+                          role=backend.role, capabilities=list(pool.declared.names),
+                          reported_by=f"{'prefill' if backend.role == 'prefill' else 'decode'}.capabilities in {self.config.source}")
+            return
+        url = f"{backend.url}/health"
+        try:
+            # Connection: close: a probe's connection is never pooled, so a request after the backend died still sees
+            # "cannot connect" (not a stale connection's reset).
+            async with self.session.get(url, headers={"Connection": "close"},
+                                        timeout=timeout(self.config.scheduler.connect_timeout_ms, 5000)) as response:
+                data = await response.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return  # asked again when it next comes up
+        reported = data.get("capabilities", []) if isinstance(data, dict) else []
+        try:  # a newer engine may know flags this router does not: those are ignored
+            caps = from_names([n for n in reported if n in FLAGS] if isinstance(reported, list) else [])
+        except ValueError:
+            caps = CPU_ENGINE
+        if self._capabilities.get(backend.url) != caps:
+            log_event(events.BACKEND_CAPABILITIES, f"{backend.url}: capabilities {', '.join(caps.names) or 'none'}",
+                      backend=backend.url, role=backend.role, capabilities=list(caps.names), reported_by=f"GET {url}")
+        self._capabilities[backend.url] = caps
+
     async def _learn_model(self) -> None:
         """The engines' model id from a decode's /v1/models (the config's model_id until one answers)."""
         for backend in self.scheduler.pool("decode"):
@@ -154,6 +222,8 @@ class HealthMonitor:
                                             timeout=timeout(self.config.scheduler.connect_timeout_ms, 5000)) as response:
                     data = await response.json(content_type=None)
                 self.model = data["data"][0]["id"]
+                window = data["data"][0].get("max_model_len")
+                self.max_model_len = window if isinstance(window, int) and not isinstance(window, bool) else None
                 self._model_learned = True
                 return
             except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):

@@ -195,6 +195,20 @@ class PDClient:
                 return count
         return None
 
+    async def tokenizer_call(self, request_id: str, path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
+        """POST `body` to vLLM's `path` (/tokenize, /detokenize) on a usable decode: (status, JSON answer), or None
+        when no decode answers. Takes no slot (issue 10: the router's /tokenize, exact prompt counts)."""
+        for backend in self.scheduler.pool("decode"):
+            if not backend.usable:
+                continue
+            try:
+                async with self.session.post(backend.url + path, json=body, headers={REQUEST_ID_HEADER: request_id},
+                                             timeout=self._timeouts["tokenize"]) as response:
+                    return response.status, await response.json(content_type=None)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                continue
+        return None
+
     # -- the flow: pick, prefill leg, decode leg, relay -------------------------------------------------
     async def complete(self, request_id: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """Run a non-streamed request; the decode engine's JSON answer (with usage)."""

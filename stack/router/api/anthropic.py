@@ -1,76 +1,169 @@
-"""Anthropic Messages API for Claude Code: POST /v1/messages (+ /v1/messages/count_tokens).
+"""Anthropic Messages API (Claude Code): POST /v1/messages (+ /v1/messages/count_tokens), translated to one chat completion.
 
-A Messages request becomes one chat completion: `system` (a string or text blocks) becomes the
-system message; each message's text blocks are joined, `tool_result` blocks contribute their text,
-`tool_use` and thinking blocks are dropped (this model never produces them). Image and document
-blocks, and a `tool_choice` that forces a tool, are a 400. `tools`, `metadata`, `thinking`,
-`top_k` and unknown fields are accepted and ignored, because Claude Code sends them on every call.
-The translated chat request goes through the same contract parser as OpenAI's (stack.protocol),
-naming Anthropic's fields in its errors (`stop_sequences`).
+Request shapes follow the anthropic SDK's types (anthropic/types: `MessageCreateParams`, `ToolParam`,
+`ToolUseBlockParam`, `ToolResultBlockParam`, `ToolChoice*Param`, `TextBlockParam`, `OutputConfigParam`,
+`JSONOutputFormatParam`) and https://docs.anthropic.com/en/api/messages; the chat side is OpenAI's
+(vLLM's `ChatCompletionRequest`). Both ways:
 
-Streams follow Anthropic's event sequence (`message_start`, `content_block_start`, `ping`,
-`content_block_delta`…, `content_block_stop`, `message_delta`, `message_stop`) with no `[DONE]`.
-The engine reports input tokens only at the end: `message_start.usage` carries the router's
-estimate (never zero: some clients treat zeroed usage as a broken stream) and `message_delta.usage`
-the engine's count, which the SDK takes as final. Errors are `{"type":"error","error":{type,message}}`; mid-stream as `event: error`.
+    system: string | text blocks (cache_control ignored)     → the system message
+    user text blocks                                          → a user message (blocks joined)
+    user tool_result {tool_use_id, content: str | blocks,     → a `tool` message {tool_call_id, content}, before the
+                      is_error}                                 user's text (is_error: content prefixed "Error: ")
+    assistant text + tool_use {id, name, input}               → an assistant message with content + tool_calls
+                                                                (arguments = json.dumps(input))
+    thinking / redacted_thinking blocks in history            → dropped: Anthropic strips thinking of earlier turns
+                                                                from the context itself ("Thinking blocks from previous
+                                                                turns are removed", docs: build-with-claude/extended-thinking)
+    tools [{name, description, input_schema}]                 → tools [{type: function, function: {name, description,
+                                                                parameters: input_schema}}]; server tools (a `type`
+                                                                other than "custom") are a 400 naming tools[i].type
+    tool_choice auto | any | tool {name} | none               → "auto" | "required" | {function: name} | "none";
+               disable_parallel_tool_use                      → parallel_tool_calls: false
+    stop_sequences                                            → stop
+    output_config.format {type: json_schema, schema}          → response_format json_schema (name "output")
+    top_k                                                     → top_k (dropped for a backend without top_k: Claude Code sends it)
+    max_tokens                                                → max_tokens, clamped to what fits the context (below)
+
+    finish_reason stop (+ vLLM's choice `stop_reason`: the     → stop_reason "end_turn", or "stop_sequence" with
+      matched stop string, vllm/entrypoints/openai/protocol.py)   `stop_sequence` = that string
+    finish_reason length                                      → "max_tokens", or "model_context_window_exceeded" when
+                                                                max_tokens was clamped to the window (StopReason in
+                                                                anthropic/types/stop_reason.py; docs: "the model stopped
+                                                                because it reached its context window limit")
+    finish_reason tool_calls, message.tool_calls              → stop_reason "tool_use", tool_use content blocks
+
+Clamping (issue 10): Claude Code asks for max_tokens 32000 whatever the model; OpenAI's APIs keep vLLM's 400 for a
+request beyond the context, but here max_tokens becomes min(max_tokens, max_model_len - prompt tokens), the prompt
+counted by the engine (vLLM's POST /tokenize on the translated chat request). The count is asked only when the
+request might not fit (its UTF-8 size + max_tokens exceeds the context: a token is at least one byte).
+
+Streams follow Anthropic's event sequence (`message_start`, `content_block_start`, `ping`, `content_block_delta`
+text_delta / input_json_delta…, `content_block_stop`, `message_delta`, `message_stop`; no `[DONE]`): one text block,
+then one tool_use block per streamed tool call (vLLM's `delta.tool_calls[i]` with id and name first, then argument
+fragments → `input_json_delta.partial_json`). `message_start.usage.input_tokens` is the engine's exact count, from
+/tokenize asked in parallel with the prefill leg (the router's estimate only if no engine answers). Errors are
+`{"type":"error","error":{type,message}}`; mid-stream as `event: error`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
 from stack.common import sse
 from stack.common.errors import REQUEST_ID, APIError, InvalidRequest
+from stack.protocol.capabilities import Capabilities, unsupported
 from stack.protocol.fields import Fields
 from stack.protocol.parse import parse
 from stack.protocol.types import Request
-from stack.router.api.common import charge, engine_body, read_json, received, relay
+from stack.router.api.common import capabilities, charge, engine_body, read_json, received, relay
 from stack.router.api.openai import CHAT_PATH
 from stack.router.appkeys import PD
 from stack.router.pd import estimate_prompt_tokens
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
-_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
-_DROPPED_BLOCKS = {"tool_use", "thinking", "redacted_thinking", "server_tool_use"}
+_DROPPED_BLOCKS = {"thinking", "redacted_thinking", "server_tool_use", "web_search_tool_result"}
 
 
 def anthropic_error_body(err: APIError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(err.status, "api_error"), "message": err.message}}
 
 
-def _block_text(block: Any, where: str) -> str:
-    if isinstance(block, str):
-        return block
-    kind = block.get("type") if isinstance(block, dict) else None
-    if kind == "text" and isinstance(block.get("text"), str):
-        return block["text"]
-    if kind == "tool_result":
-        content = block.get("content", "")
-        return content if isinstance(content, str) else "".join(_block_text(b, f"{where}.content") for b in content or [])
-    if kind in _DROPPED_BLOCKS:
-        return ""
-    raise InvalidRequest(f"Unsupported content block at '{where}' (type {kind!r}): only text and tool_result blocks are supported.",
-                         param=where, code="unsupported_content")
+def _unsupported_block(kind: Any, where: str, allowed: str) -> InvalidRequest:
+    return InvalidRequest(f"Unsupported content block at '{where}' (type {kind!r}): only {allowed} blocks are supported.",
+                          param=where, code="unsupported_content")
 
 
-def _text(content: Any, where: str) -> str:
+def _text_blocks(content: Any, where: str) -> str:
+    """A string, or text blocks joined (system, tool_result content); other blocks are a 400."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InvalidRequest(f"Invalid type for '{where}': expected a string or an array of content blocks.", param=where,
                              code="invalid_type")
-    return "".join(_block_text(block, f"{where}[{i}]") for i, block in enumerate(content))
+    texts = []
+    for i, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind != "text":
+            raise _unsupported_block(kind, f"{where}[{i}]", "text")
+        text = Fields(block, f"{where}[{i}].").string("text", required=True)
+        texts.append(text or "")
+    return "".join(texts)
 
 
-def _messages(f: Fields) -> list[dict[str, str]]:
-    result = []
+def _no_tools(where: str) -> InvalidRequest:
+    return unsupported(where, "cannot be replayed: the backends have no tool calling (their declared capabilities)")
+
+
+def _user(message: dict[str, Any], where: str, caps: Capabilities) -> list[dict[str, Any]]:
+    """A user turn: one `tool` message per tool_result block, then the text (if any) as a user message."""
+    content = message["content"]
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    if not isinstance(content, list):
+        raise InvalidRequest(f"Invalid type for '{where}.content': expected a string or an array of content blocks.",
+                             param=f"{where}.content", code="invalid_type")
+    results, texts = [], []
+    for i, block in enumerate(content):
+        at = f"{where}.content[{i}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        f = Fields(block if isinstance(block, dict) else {}, f"{at}.")
+        if kind == "text":
+            texts.append(f.string("text", required=True) or "")
+        elif kind == "tool_result":
+            if not caps.tools:
+                raise _no_tools(at)
+            text = _text_blocks(block.get("content", ""), f"{at}.content")
+            if f.boolean("is_error"):
+                text = f"Error: {text}"
+            results.append({"role": "tool", "tool_call_id": f.string("tool_use_id", required=True), "content": text})
+        elif kind not in _DROPPED_BLOCKS:
+            raise _unsupported_block(kind, at, "text and tool_result")
+    return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
+
+
+def _assistant(message: dict[str, Any], where: str, caps: Capabilities) -> list[dict[str, Any]]:
+    """An assistant turn: its text, and its tool_use blocks as tool_calls (thinking dropped, see the module doc)."""
+    content = message["content"]
+    if isinstance(content, str):
+        return [{"role": "assistant", "content": content}]
+    if not isinstance(content, list):
+        raise InvalidRequest(f"Invalid type for '{where}.content': expected a string or an array of content blocks.",
+                             param=f"{where}.content", code="invalid_type")
+    texts, calls = [], []
+    for i, block in enumerate(content):
+        at = f"{where}.content[{i}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        f = Fields(block if isinstance(block, dict) else {}, f"{at}.")
+        if kind == "text":
+            texts.append(f.string("text", required=True) or "")
+        elif kind == "tool_use":
+            if not caps.tools:
+                raise _no_tools(at)
+            arguments = f.obj("input", required=True)
+            calls.append({"id": f.string("id", required=True), "type": "function",
+                          "function": {"name": f.string("name", required=True), "arguments": json.dumps(arguments)}})
+        elif kind not in _DROPPED_BLOCKS:
+            raise _unsupported_block(kind, at, "text, tool_use and thinking")
+    if not texts and not calls:
+        return []  # only thinking: nothing for the model
+    turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
+    if calls:
+        turn["tool_calls"] = calls
+    return [turn]
+
+
+def _messages(f: Fields, caps: Capabilities) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = []
     system = f.body.get("system")
     if system is not None:
-        result.append({"role": "system", "content": _text(system, "system")})
+        result.append({"role": "system", "content": _text_blocks(system, "system")})
     messages = f.array("messages", required=True) or []
     if not messages:
         raise f.bad("messages", "must contain at least one message.")
@@ -82,64 +175,187 @@ def _messages(f: Fields) -> list[dict[str, str]]:
         if "content" not in message:
             raise InvalidRequest(f"Missing required parameter: '{where}.content'.", param=f"{where}.content",
                                  code="missing_required_parameter")
-        result.append({"role": message["role"], "content": _text(message["content"], f"{where}.content")})
+        result += _user(message, where, caps) if message["role"] == "user" else _assistant(message, where, caps)
     return result
 
 
-def _tool_choice(f: Fields) -> str | dict[str, Any] | None:
-    """Anthropic's tool_choice as OpenAI's: auto, none, any (= required), or one named tool."""
-    choice = f.obj("tool_choice")
-    if choice is None:
+def _tools(f: Fields) -> list[dict[str, Any]] | None:
+    if f.body.get("tools") is None:
         return None
-    kind = choice.get("type")
+    tools = []
+    for i, t in enumerate(f.objects("tools")):
+        kind = t.string("type")
+        if kind not in (None, "custom"):
+            raise unsupported(f"tools[{i}].type", f"{kind!r}: only client tools (no type, or \"custom\") are supported, "
+                                                  "this router runs no server tools")
+        function: dict[str, Any] = {"name": t.string("name", required=True), "parameters": t.obj("input_schema", required=True)}
+        if t.string("description") is not None:
+            function["description"] = t.body["description"]
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _tool_choice(f: Fields) -> tuple[str | dict[str, Any] | None, bool | None]:
+    """Anthropic's tool_choice as OpenAI's (auto, none, any = required, tool = a named function) and parallel_tool_calls."""
+    choice = f.nested("tool_choice")
+    if choice is None:
+        return None, None
+    kind = choice.string("type", required=True)
+    parallel = False if choice.boolean("disable_parallel_tool_use") else None
     if kind == "tool":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    return {"any": "required"}.get(kind, kind)
+        return {"type": "function", "function": {"name": choice.string("name", required=True)}}, parallel
+    if kind not in ("auto", "any", "none"):
+        raise choice.bad("type", f"expected one of auto, any, tool, none, got {kind!r}.")
+    return {"any": "required"}.get(kind, kind), parallel
 
 
-def _parse(body: dict[str, Any], max_tokens: int | None) -> Request:
-    """A Messages body as the chat request the engines receive (Anthropic-only fields checked here)."""
+def _response_format(f: Fields) -> dict[str, Any] | None:
+    """`output_config.format` (or the structured-outputs beta's top-level `output_format`) as response_format."""
+    config = f.nested("output_config")
+    holder, key = (config, "format") if config is not None and config.body.get("format") is not None else (f, "output_format")
+    fmt = holder.nested(key)
+    if fmt is None:
+        return None
+    kind = fmt.string("type", required=True)
+    if kind != "json_schema":
+        raise fmt.bad("type", f"expected 'json_schema', got {kind!r}.")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.obj("schema", required=True)}}
+
+
+def _chat(body: dict[str, Any], max_tokens: int | None, caps: Capabilities) -> dict[str, Any]:
+    """A Messages body as the chat body it stands for (Anthropic-only fields checked here)."""
     f = Fields(body)
     model = f.string("model", required=True)
-    chat = _messages(f)
-    f.integer("top_k", minimum=0)  # Claude Code sends it on every call: checked, not forwarded (the engines have no top-k)
-    f.array("tools")
-    fields = {"model": model, "messages": chat, "max_tokens": max_tokens, "stream": body.get("stream"), "tool_choice": _tool_choice(f),
+    chat = _messages(f, caps)
+    top_k = f.integer("top_k", minimum=0)
+    tool_choice, parallel = _tool_choice(f)
+    fields = {"model": model, "messages": chat, "max_tokens": max_tokens, "stream": body.get("stream"),
+              "tools": _tools(f), "tool_choice": tool_choice, "parallel_tool_calls": parallel,
+              "response_format": _response_format(f), "top_k": top_k if caps.top_k else None,
               **{name: body.get(name) for name in ("temperature", "top_p", "ignore_eos")}, "stop": body.get("stop_sequences")}
-    return parse("chat", fields, labels={"stop": "stop_sequences"})
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _parse(body: dict[str, Any], max_tokens: int | None, caps: Capabilities) -> Request:
+    return parse("chat", _chat(body, max_tokens, caps), labels={"stop": "stop_sequences", "tools": "tools",
+                                                                 "response_format": "output_config.format"})
+
+
+def stop_reason(choice: dict[str, Any], stops: tuple[str, ...], clamped: bool) -> tuple[str, str | None]:
+    """(Anthropic stop_reason, stop_sequence) for a chat choice's finish_reason and vLLM's `stop_reason`."""
+    finish = choice.get("finish_reason")
+    if finish == "tool_calls":
+        return "tool_use", None
+    if finish == "length":
+        return ("model_context_window_exceeded" if clamped else "max_tokens"), None
+    matched = choice.get("stop_reason")
+    if isinstance(matched, str) and matched in stops:
+        return "stop_sequence", matched
+    return "end_turn", None
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A tool call's JSON arguments as tool_use `input` (an object; text that is no JSON object is kept under "arguments")."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+async def _fit_context(request: web.Request, upstream: dict[str, Any]) -> bool:
+    """Clamp upstream max_tokens to the context left after the prompt (engine's count); True if it was lowered."""
+    window = request.app[PD].monitor.max_model_len
+    wanted = upstream.get("max_tokens")
+    if not window or not isinstance(wanted, int):
+        return False
+    size = len(json.dumps([upstream["messages"], upstream.get("tools")], ensure_ascii=False).encode())
+    if size + wanted <= window:
+        return False  # fits whatever the tokenizer says: a token is at least one byte
+    answer = await _tokenize(request, upstream)
+    count = (answer or {}).get("count")
+    window = (answer or {}).get("max_model_len") or window
+    if not isinstance(count, int) or count >= window or count + wanted <= window:
+        return False  # unknown, too long for any answer (the engine's 400 says so), or it fits
+    upstream["max_tokens"] = window - count
+    return True
+
+
+async def _tokenize(request: web.Request, upstream: dict[str, Any]) -> dict[str, Any] | None:
+    """The engine's /tokenize answer for the chat prompt of `upstream` (vLLM's TokenizeChatRequest), or None."""
+    body = {"model": upstream["model"], "messages": upstream["messages"]}
+    if upstream.get("tools"):
+        body["tools"] = upstream["tools"]
+    answer = await request.app[PD].tokenizer_call(request[REQUEST_ID], "/tokenize", body)
+    return answer[1] if answer is not None and answer[0] == 200 and isinstance(answer[1], dict) else None
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """POST /v1/messages."""
     body = await read_json(request)
     max_tokens = Fields(body).integer("max_tokens", minimum=1, required=True)
-    req = _parse(body, max_tokens)
-    upstream = engine_body(request, req)
+    req = _parse(body, max_tokens, capabilities(request))
+    upstream = engine_body(request, req, "messages")
     received(request, "messages", req.model, req.stream)
+    clamped = await _fit_context(request, upstream)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     pd = request.app[PD]
+    stops = req.sampling.stop
     if req.stream:
-        estimate = estimate_prompt_tokens(upstream)
-        return await relay(request, pd.stream(request[REQUEST_ID], CHAT_PATH, upstream), _EventRelay(message_id, req.model, estimate))
+        count = asyncio.ensure_future(_tokenize(request, upstream))  # in parallel with the prefill leg
+        relay_ = _EventRelay(message_id, req.model, stops, clamped)
+        return await relay(request, _counted(pd.stream(request[REQUEST_ID], CHAT_PATH, upstream), count, relay_, upstream), relay_)
     result = await pd.complete(request[REQUEST_ID], CHAT_PATH, upstream)
     usage = result.get("usage") or {}
     charge(request, usage)
     choice = (result.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    content: list[dict[str, Any]] = []
+    if message.get("content") or not message.get("tool_calls"):
+        content.append({"type": "text", "text": message.get("content") or ""})
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        content.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name"),
+                        "input": tool_input(function.get("arguments") or "")})
+    reason, sequence = stop_reason(choice, stops, clamped)
     return web.json_response({
-        "id": message_id, "type": "message", "role": "assistant", "model": req.model,
-        "content": [{"type": "text", "text": (choice.get("message") or {}).get("content") or ""}],
-        "stop_reason": _STOP_REASONS.get(choice.get("finish_reason"), "end_turn"), "stop_sequence": None,
-        "usage": {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)},
+        "id": message_id, "type": "message", "role": "assistant", "model": req.model, "content": content,
+        "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(usage),
     })
+
+
+def _usage(usage: dict[str, Any]) -> dict[str, Any]:
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    result = {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)}
+    if isinstance(cached, int):
+        result["cache_read_input_tokens"] = cached
+    return result
+
+
+async def _counted(batches: AsyncIterator[list[dict[str, Any]]], count: asyncio.Future[dict[str, Any] | None],
+                   relay_: _EventRelay, upstream: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
+    """`batches`, with the engine's prompt count handed to `relay_` before the first (message_start carries it)."""
+    try:
+        first = True
+        async for batch in batches:
+            if first:
+                first = False
+                answer = await count
+                counted = (answer or {}).get("count")
+                relay_.input_tokens = counted if isinstance(counted, int) else estimate_prompt_tokens(upstream)
+            yield batch
+    finally:
+        count.cancel()
+        await batches.aclose()  # type: ignore[attr-defined]
 
 
 async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens: the engines' own count (their /tokenize, as the messages request would be
-    prompted), or the router's estimate (~4 characters a token) when no engine can say."""
-    req = _parse(await read_json(request), None)
-    chat = engine_body(request, req)["messages"]
-    counted = await request.app[PD].count_tokens(request[REQUEST_ID], {"messages": chat})
-    return web.json_response({"input_tokens": counted if counted is not None else estimate_prompt_tokens({"messages": chat})})
+    prompted, tools included), or the router's estimate (~4 characters a token) when no engine can say."""
+    upstream = engine_body(request, _parse(await read_json(request), None, capabilities(request)), "messages")
+    answer = await _tokenize(request, upstream)
+    counted = (answer or {}).get("count")
+    return web.json_response({"input_tokens": counted if isinstance(counted, int) else estimate_prompt_tokens(upstream)})
 
 
 def _event(data: dict[str, Any]) -> bytes:
@@ -147,39 +363,78 @@ def _event(data: dict[str, Any]) -> bytes:
 
 
 class _EventRelay:
-    """Chat chunks → Anthropic stream events, one text content block."""
+    """Chat chunks → Anthropic stream events: a text block, then a tool_use block per tool call (in their order)."""
 
-    def __init__(self, message_id: str, model: str, input_estimate: int) -> None:
-        self.message_id, self.model, self.input_estimate = message_id, model, input_estimate
+    def __init__(self, message_id: str, model: str, stops: tuple[str, ...], clamped: bool) -> None:
+        self.message_id, self.model, self.stops, self.clamped = message_id, model, stops, clamped
+        self.input_tokens = 0  # set before the first chunk (_counted)
         self.started = False
-        self.stop_reason = "end_turn"
+        self.index = -1  # the open content block, -1 = none yet
+        self.open: str | None = None  # "text" | "tool_use" | None (closed)
+        self.tool_blocks: dict[int, int] = {}  # the chat tool call's index -> its content block index
+        self.choice: dict[str, Any] = {}  # finish_reason and stop_reason as the engine said them
         self.usage: dict[str, Any] = {}
 
     def _start(self) -> list[bytes]:
         self.started = True
         message = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                   "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": self.input_estimate, "output_tokens": 1}}
-        return [_event({"type": "message_start", "message": message}),
-                _event({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-                _event({"type": "ping"})]
+                   "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": self.input_tokens, "output_tokens": 1}}
+        return [_event({"type": "message_start", "message": message})]
+
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [_event({"type": "content_block_stop", "index": self.index})]
+
+    def _open(self, block: dict[str, Any]) -> list[bytes]:
+        frames = self._close()
+        self.index += 1
+        self.open = block["type"]
+        frames.append(_event({"type": "content_block_start", "index": self.index, "content_block": block}))
+        return frames + ([_event({"type": "ping"})] if self.index == 0 else [])  # where Anthropic's own streams ping
 
     def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
         frames = [] if self.started else self._start()
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         for choice in chunk.get("choices") or []:
-            text = (choice.get("delta") or {}).get("content")
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
             if text:
-                frames.append(_event({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}))
+                if self.open != "text":
+                    frames += self._open({"type": "text", "text": ""})
+                frames.append(_event({"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": text}}))
+            for call in delta.get("tool_calls") or []:
+                frames += self._tool_delta(call)
             if choice.get("finish_reason"):
-                self.stop_reason = _STOP_REASONS.get(choice["finish_reason"], "end_turn")
+                self.choice = choice
+        return frames
+
+    def _tool_delta(self, call: dict[str, Any]) -> list[bytes]:
+        """vLLM's streamed tool call (vllm/entrypoints/openai/protocol.py DeltaToolCall: index, id and function.name
+        on its first delta, then function.arguments fragments) as tool_use block events."""
+        frames: list[bytes] = []
+        position = call.get("index", len(self.tool_blocks))
+        function = call.get("function") or {}
+        if position not in self.tool_blocks:
+            frames += self._open({"type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex[:24]}",
+                                  "name": function.get("name") or "", "input": {}})
+            self.tool_blocks[position] = self.index
+        arguments = function.get("arguments")
+        if arguments:
+            frames.append(_event({"type": "content_block_delta", "index": self.tool_blocks[position],
+                                  "delta": {"type": "input_json_delta", "partial_json": arguments}}))
         return frames
 
     def end(self) -> list[bytes]:
-        usage = {"input_tokens": self.usage.get("prompt_tokens", 0), "output_tokens": self.usage.get("completion_tokens", 0)}
-        return [*([] if self.started else self._start()),
-                _event({"type": "content_block_stop", "index": 0}),
-                _event({"type": "message_delta", "delta": {"stop_reason": self.stop_reason, "stop_sequence": None}, "usage": usage}),
+        frames = [] if self.started else self._start()
+        if self.index < 0:
+            frames += self._open({"type": "text", "text": ""})  # some clients expect a content block
+        reason, sequence = stop_reason(self.choice, self.stops, self.clamped)
+        usage = {"input_tokens": self.usage.get("prompt_tokens", self.input_tokens), "output_tokens": self.usage.get("completion_tokens", 0)}
+        return [*frames, *self._close(),
+                _event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage}),
                 _event({"type": "message_stop"})]
 
     def error(self, err: APIError) -> list[bytes]:

@@ -18,8 +18,8 @@ from aiohttp import web
 from stack.common import events, sse
 from stack.common.errors import REQUEST_ID, REQUEST_ID_HEADER, APIError, InvalidRequest, NotFound, PayloadTooLarge
 from stack.common.logging import log_event
-from stack.protocol.capabilities import CPU_ENGINE, fit
-from stack.protocol.fields import json_type
+from stack.protocol.capabilities import VLLM_EXTRAS, Capabilities, fit
+from stack.protocol.fields import check_unicode, json_type
 from stack.protocol.serialise import to_body
 from stack.protocol.types import Request
 from stack.router.appkeys import CONFIG, PD, STREAM_ERROR, TOKENS
@@ -48,6 +48,8 @@ async def read_json(request: web.Request) -> dict[str, Any]:
                              code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidRequest(f"Request body must be a JSON object, got a JSON {json_type(body)}.", code="invalid_json")
+    if b"\\u" in raw:  # only a \uXXXX escape can carry a lone surrogate (raw UTF-8 cannot): walk only then
+        check_unicode(body)
     return body
 
 
@@ -79,14 +81,35 @@ async def peek(stream: AsyncIterator[T]) -> T | None:
     return None
 
 
-def engine_body(request: web.Request, req: Request) -> dict[str, Any]:
-    """The normalised body the engines receive: `req` fitted to what they can honour, for the backend model.
+def capabilities(request: web.Request) -> Capabilities:
+    """What every backend this request may reach honours (monitor.py: learned or set in settings.toml)."""
+    return request.app[PD].monitor.capabilities
 
-    Every backend is the CPU engine for now (CPU_ENGINE); per-backend capabilities are issue 10's.
-    """
-    body = to_body(fit(req, CPU_ENGINE))
+
+def engine_body(request: web.Request, req: Request, api: str, extras: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The normalised body the engines receive: `req` fitted to what the backends honour, for the backend model.
+
+    `extras`: the client's vLLM fields outside the contract (VLLM_EXTRAS), forwarded verbatim to backends with
+    `vllm_extras`; refused with the unknown-parameter 400 by the others. A refusal is logged with the
+    capabilities it was decided on (router.unsupported_parameter)."""
+    caps = capabilities(request)
+    try:
+        if extras and not caps.vllm_extras:
+            name = next(iter(extras))
+            raise InvalidRequest(f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter")
+        body = to_body(fit(req, caps))
+    except InvalidRequest as err:
+        if err.code in ("unsupported_parameter", "unknown_parameter"):
+            log_event(events.ROUTER_UNSUPPORTED, f"{api}: refused {err.param}: {err.message}", api=api, param=err.param,
+                      capabilities=list(caps.names))
+        raise
     body["model"] = resolve_model(request, req.model)
-    return body
+    return {**body, **(extras or {})}
+
+
+def vllm_extras(body: dict[str, Any]) -> dict[str, Any]:
+    """The fields of `body` that are vLLM's own (VLLM_EXTRAS), in the client's order."""
+    return {k: v for k, v in body.items() if k in VLLM_EXTRAS and v is not None}
 
 
 class Translator(Protocol):

@@ -1,12 +1,15 @@
 """OpenAI API: POST /v1/chat/completions, POST /v1/completions, GET /v1/models.
 
 Bodies are parsed by the request contract (stack.protocol) and checked strictly, as OpenAI does: an
-unknown parameter is a 400 naming it. What the engines cannot honour (stack.protocol.capabilities:
-`n` > 1, logprobs, `response_format` other than text, `logit_bias`, penalties, top_k, min_p,
-forced tool calls, `tool` messages…) and the OpenAI-only extras checked here (audio, `echo`,
-`suffix`…) are a 400 `unsupported_parameter` rather than silently ignored. `tools` with
-`tool_choice` "auto"/"none" are accepted and have no effect (the model never emits tool calls), so
-agents that always send their tool list still work.
+unknown parameter is a 400 naming it. The request then goes to the engines as the contract says,
+fitted to what the backends declare they can do (stack.protocol.capabilities; monitor.py learns it
+or settings.toml sets it): with the "vllm" preset, tools, tool_choice, logprobs, `n`, structured
+outputs, every sampling extra and vLLM's own fields (VLLM_EXTRAS, e.g. sent through the openai SDK's
+`extra_body`) pass through unchanged; a backend without a capability gets no such request, the
+client gets a 400 `unsupported_parameter` naming the parameter instead. `tools` with `tool_choice`
+"auto"/"none" for a backend without tool calling are accepted and have no effect, so agents that
+always send their tool list still work. OpenAI-only extras this router cannot do (audio, `suffix`…)
+are refused here.
 
 Streams relay the engine's chunks with the public model id; the usage chunk (empty `choices`)
 reaches the client only if it asked with `stream_options.include_usage`. An error after the first
@@ -27,7 +30,8 @@ from stack.common.logging import log_event
 from stack.protocol.capabilities import unsupported
 from stack.protocol.fields import Fields
 from stack.protocol.parse import FIELDS, parse
-from stack.router.api.common import charge, engine_body, read_json, received, relay
+from stack.protocol.capabilities import VLLM_EXTRAS
+from stack.router.api.common import capabilities, charge, engine_body, read_json, received, relay, vllm_extras
 from stack.router.appkeys import CONFIG, PD
 
 CHAT_PATH = "/v1/chat/completions"
@@ -59,8 +63,10 @@ def _check_chat_only(f: Fields) -> None:
         raise f.bad("modalities", "only [\"text\"] is supported.", code="unsupported_parameter")
 
 
-def _check_completion_only(f: Fields) -> None:
+def _check_completion_only(f: Fields, vllm: bool) -> None:
     f.string("user")
+    if vllm:
+        return  # echo, best_of: vLLM's to check
     if f.body.get("echo") not in (None, False):
         raise unsupported("echo", "is not supported by this deployment")
     if f.body.get("best_of") not in (None, 1):
@@ -72,10 +78,10 @@ def _check_completion_only(f: Fields) -> None:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
     body = await read_json(request)
-    _check_known(body, _CHAT_PARAMS)
+    _check_known(body, _CHAT_PARAMS | VLLM_EXTRAS)
     req = parse("chat", body)
     _check_chat_only(Fields(body))
-    upstream = engine_body(request, req)
+    upstream = engine_body(request, req, "chat", vllm_extras(body))
     received(request, "chat", req.model, req.stream)
     return await _answer(request, CHAT_PATH, upstream, req.model, req.include_usage)
 
@@ -83,10 +89,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions (legacy text completions)."""
     body = await read_json(request)
-    _check_known(body, _COMPLETION_PARAMS)
+    _check_known(body, _COMPLETION_PARAMS | VLLM_EXTRAS)
     req = parse("completion", body)
-    _check_completion_only(Fields(body))
-    upstream = engine_body(request, req)
+    vllm = capabilities(request).vllm_extras
+    _check_completion_only(Fields(body), vllm)
+    extras = vllm_extras(body) if vllm else {k: v for k, v in vllm_extras(body).items() if k not in ("echo", "best_of")}
+    upstream = engine_body(request, req, "completions", extras)
     received(request, "completions", req.model, req.stream)
     return await _answer(request, COMPLETIONS_PATH, upstream, req.model, req.include_usage)
 

@@ -96,7 +96,7 @@ UNSUPPORTED = [
     ("completions", {"logprobs": 1}, "logprobs", "not supported"),
     ("responses", {"previous_response_id": "resp_1"}, "previous_response_id", "stores no responses"),
     ("responses", {"tool_choice": {"type": "function", "name": "f"}}, "tool_choice", "never calls tools"),
-    ("responses", {"tool_choice": {"type": "web_search"}}, "tool_choice", "never calls tools"),
+    ("responses", {"tool_choice": {"type": "web_search"}}, "tool_choice", "runs no hosted tools"),
     ("responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0]", "(type 'input_image'): only input_text, output_text, text parts"),
     ("messages", {"tool_choice": {"type": "any"}}, "tool_choice", "never calls tools"),
@@ -127,14 +127,26 @@ async def test_claude_code_extras_are_accepted(router) -> None:
     """Fields Claude Code always sends (tools, metadata, thinking, system blocks) do not break /v1/messages."""
     body = {"model": MODEL, "max_tokens": 4, "system": [{"type": "text", "text": "be brief"}],
             "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
-                         {"role": "assistant", "content": [{"type": "text", "text": "ok"}]},
-                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "done"}]}],
+                         {"role": "assistant", "content": [{"type": "text", "text": "ok"}, {"type": "thinking", "thinking": "hm",
+                                                                                                   "signature": "s"}]},
+                         {"role": "user", "content": [{"type": "text", "text": "go", "cache_control": {"type": "ephemeral"}}]}],
             "tools": [{"name": "Bash", "input_schema": {"type": "object"}}], "metadata": {"user_id": "u"},
             "thinking": {"type": "disabled"}, "tool_choice": {"type": "auto"}}
     response = await router.post("/v1/messages", json=body, headers={"x-api-key": KEY,
                                                                      "anthropic-version": "2023-06-01",
                                                                      "anthropic-beta": "prompt-caching-2024-07-31"})
     assert response.status == 200, await response.text()
+
+
+async def test_tool_history_is_refused_by_a_backend_without_tools(router) -> None:
+    """A tool_result for a backend that declares no tool calling is a 400 naming the block (never silently dropped)."""
+    body = {"model": MODEL, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Bash", "input": {}}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "done"}]}]}
+    response = await router.post("/v1/messages", json=body, headers={"x-api-key": KEY})
+    error = (await response.json())["error"]
+    assert response.status == 400 and "messages[1].content[0]" in error["message"] and "no tool calling" in error["message"]
 
 
 async def test_unknown_route_and_wrong_method_answer_in_shape(router) -> None:
