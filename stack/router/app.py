@@ -21,7 +21,7 @@ from stack.common import events
 from stack.common.config import ConfigError
 from stack.common.errors import APIError, error_middleware, openai_error_body, request_id_middleware
 from stack.common.logging import log_event
-from stack.router.api import anthropic, openai, responses
+from stack.router.api import anthropic, openai, responses, tokens
 from stack.router.appkeys import CALLER, CONFIG, KEYRING, LIMITER, METRICS, PD, REGISTRY, STREAM_ERROR, TOKENS, USAGE
 from stack.router.auth import Caller, KeyRing
 from stack.router.config import RouterConfig, UsageConfig, load_keys_file
@@ -133,6 +133,9 @@ def create_app(config: RouterConfig, env: Mapping[str, str] | None = None) -> we
     app.router.add_post(openai.CHAT_PATH, openai.chat_completions)
     app.router.add_post(openai.COMPLETIONS_PATH, openai.completions)
     app.router.add_get("/v1/models", openai.models)
+    app.router.add_get("/v1/models/{model}", tokens.model)
+    app.router.add_post("/tokenize", tokens.tokenize)
+    app.router.add_post("/detokenize", tokens.detokenize)
     app.router.add_post("/v1/messages", anthropic.messages)
     app.router.add_post("/v1/messages/count_tokens", anthropic.count_tokens)
     app.router.add_post("/v1/responses", responses.responses)
