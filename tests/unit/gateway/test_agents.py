@@ -1,0 +1,165 @@
+"""Issue 10's "must show": coding agents' sessions through a real router process over a real engine process.
+
+`python -m stack.router` (its settings.toml: our engine, capabilities learned from its GET /health) in front of
+`python -m stack.engine` (role both, dummy:tiny random weights: the text is gibberish, but forced tool calls and
+structured outputs are grammar-constrained, so they are valid whatever the weights). Driven by the official SDKs:
+- a Claude-Code-shaped session through anthropic's `messages.stream`: system blocks with cache_control, a tool list,
+  three turns (tool_choice any → tool_use, the client answers tool_result; the last turn ends in text);
+- a Codex-shaped session on /v1/responses through `client.responses.stream`: a function call →
+  function_call_output → the final answer;
+- json_schema outputs on all three APIs, validated with `jsonschema`.
+These need the engine to do tools and structured outputs (gateway-engine's side of issue 10).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+
+from stack.common.health_probe import SERVING, probe
+from tests.unit.router_front.conftest import RealEngine, free_port
+
+KEY = "pd-agents-test-key-4c3b2a"
+MODEL = "your-model-id"
+BASH = {"name": "Bash", "description": "Run a shell command", "cache_control": {"type": "ephemeral"},
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
+READ = {"name": "Read", "description": "Read a file",
+        "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}}, "required": ["file_path"]}}
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "count": {"type": "integer"}},
+          "required": ["name", "count"], "additionalProperties": False}
+
+
+class RouterProcess:
+    """`python -m stack.router` over one engine (colocated), on free loopback ports."""
+
+    def __init__(self, workdir: Path, engine: RealEngine) -> None:
+        self.port, self.health_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        settings = workdir / "settings.toml"
+        settings.write_text(f"""
+[server]
+host = "127.0.0.1"
+port = {self.port}
+health_port = {self.health_port}
+[taotoken]
+model_id = "{MODEL}"
+model_aliases = ["claude-*"]
+[prefill]
+endpoint = "{engine.url}"
+health_addrs = ["{engine.health_addr}"]
+[decode]
+endpoint = "{engine.url}"
+health_addrs = ["{engine.health_addr}"]
+[usage]
+db_path = "{workdir / 'usage.sqlite3'}"
+""")
+        self.log_path = workdir / "router.log"
+        self.log = self.log_path.open("w")
+        self.process = subprocess.Popen([sys.executable, "-m", "stack.router", "--config", str(settings)],
+                                        env={**os.environ, "TAOTOKEN_API_KEY": KEY}, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while probe(f"127.0.0.1:{self.health_port}", timeout=0.5) != SERVING:
+            assert self.process.poll() is None, f"router exited early: {self.log_path.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, "router not SERVING after 60 s"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    engine = RealEngine(tmp_path_factory.mktemp("engine"))
+    router = None
+    try:
+        router = RouterProcess(tmp_path_factory.mktemp("router"), engine)
+        yield router
+    finally:
+        if router is not None:
+            router.stop()
+        engine.stop()
+
+
+@pytest.fixture
+def claude(stack, sdk) -> anthropic.AsyncAnthropic:
+    return sdk(anthropic.AsyncAnthropic, base_url=stack.url, auth_token=KEY)
+
+
+@pytest.fixture
+def oai(stack, sdk) -> openai.AsyncOpenAI:
+    return sdk(openai.AsyncOpenAI, base_url=f"{stack.url}/v1", api_key=KEY)
+
+
+async def test_claude_code_session(claude) -> None:
+    system = [{"type": "text", "text": "You are Claude Code, an interactive CLI tool.", "cache_control": {"type": "ephemeral"}},
+              {"type": "text", "text": "Use the tools to answer.", "cache_control": {"type": "ephemeral"}}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is in README.md?"}]
+    for turn in range(3):
+        last = turn == 2
+        async with claude.messages.stream(model="claude-sonnet-4-20250514", max_tokens=32000, system=system, tools=[BASH, READ],
+                                          messages=messages, tool_choice={"type": "none"} if last else {"type": "any"},
+                                          extra_body={"temperature": 0}) as stream:
+            message = await stream.get_final_message()
+        assert message.usage.input_tokens > 0
+        if last:
+            assert message.stop_reason in ("end_turn", "max_tokens", "model_context_window_exceeded")
+            assert message.content and all(block.type == "text" for block in message.content)
+            break
+        assert message.stop_reason == "tool_use", message
+        uses = [block for block in message.content if block.type == "tool_use"]
+        assert uses and all(use.name in ("Bash", "Read") for use in uses)
+        for use in uses:
+            jsonschema.validate(use.input, (BASH if use.name == "Bash" else READ)["input_schema"])
+        messages.append({"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in message.content]})
+        messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "# pd-deploy"}
+                                                     for use in uses]})
+
+
+async def test_codex_session(oai) -> None:
+    tool = {"type": "function", "name": "shell", "description": "Run a command", "strict": True,
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"],
+                           "additionalProperties": False}}
+    items: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "input_text", "text": "List the files."}]}]
+    async with oai.responses.stream(model=MODEL, instructions="You are Codex.", input=items, tools=[tool], tool_choice="required",
+                                    max_output_tokens=64, temperature=0) as stream:
+        first = await stream.get_final_response()
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert calls and calls[0].name == "shell"
+    jsonschema.validate(json.loads(calls[0].arguments), tool["parameters"])
+    items += [{"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments} for c in calls]
+    items += [{"type": "function_call_output", "call_id": c.call_id, "output": "README.md\npd"} for c in calls]
+    async with oai.responses.stream(model=MODEL, input=items, tools=[tool], tool_choice="none", max_output_tokens=16) as stream:
+        final = await stream.get_final_response()
+    assert [o.type for o in final.output] == ["message"] and final.status in ("completed", "incomplete")
+
+
+async def test_json_schema_outputs_validate_on_all_three_apis(oai, claude) -> None:
+    chat = await oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A name and a count."}], max_tokens=64, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "Item", "schema": SCHEMA, "strict": True}})
+    jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
+    response = await oai.responses.create(model=MODEL, input="A name and a count.", max_output_tokens=64, temperature=0,
+                                          text={"format": {"type": "json_schema", "name": "Item", "schema": SCHEMA, "strict": True}})
+    jsonschema.validate(json.loads(response.output_text), SCHEMA)
+    async with claude.messages.stream(model=MODEL, max_tokens=64, messages=[{"role": "user", "content": "A name and a count."}],
+                                      output_config={"format": {"type": "json_schema", "schema": SCHEMA}}) as stream:
+        message = await stream.get_final_message()
+    jsonschema.validate(json.loads(message.content[0].text), SCHEMA)
