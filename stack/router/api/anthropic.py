@@ -24,8 +24,11 @@ Request shapes follow the anthropic SDK's types (anthropic/types: `MessageCreate
     top_k                                                     → top_k (dropped for a backend without top_k: Claude Code sends it)
     max_tokens                                                → max_tokens, clamped to what fits the context (below)
 
-    finish_reason stop (+ vLLM's choice `stop_reason`: the     → stop_reason "end_turn", or "stop_sequence" with
-      matched stop string, vllm/entrypoints/openai/protocol.py)   `stop_sequence` = that string
+    finish_reason stop                                        → stop_reason "end_turn", or "stop_sequence" with
+                                                                `stop_sequence` = the string that matched: vLLM's choice
+                                                                `stop_reason` (vllm/entrypoints/openai/protocol.py), or
+                                                                the stop the text ends with, asked for with vLLM's
+                                                                `include_stop_str_in_output` and cut (cut_stop)
     finish_reason length                                      → "max_tokens", or "model_context_window_exceeded" when
                                                                 max_tokens was clamped to the window (StopReason in
                                                                 anthropic/types/stop_reason.py; docs: "the model stopped
@@ -241,17 +244,29 @@ def _parse(body: dict[str, Any], max_tokens: int | None, caps: Capabilities) -> 
                                                                  "response_format": "output_config.format"})
 
 
-def stop_reason(choice: dict[str, Any], stops: tuple[str, ...], clamped: bool) -> tuple[str, str | None]:
-    """(Anthropic stop_reason, stop_sequence) for a chat choice's finish_reason and vLLM's `stop_reason`."""
+def cut_stop(text: str, stops: tuple[str, ...], said: Any) -> tuple[str, str | None]:
+    """(the text without the stop string, the stop that matched or None) for an answer that finished with "stop".
+
+    Which stop matched: vLLM's choice `stop_reason` (the matched string) when the engine gives it; else the stop the
+    text ends with, since the router asks for `include_stop_str_in_output` (vLLM's field). Sound: a stop string in the
+    output ends generation at once, so an answer can end with one only if it matched. An engine that neither reports
+    nor includes it leaves the text stop-free: end_turn."""
+    if isinstance(said, str) and said in stops:
+        return (text[: -len(said)] if text.endswith(said) else text), said
+    for stop in sorted(stops, key=len, reverse=True):
+        if text.endswith(stop):
+            return text[: -len(stop)], stop
+    return text, None
+
+
+def stop_reason(choice: dict[str, Any], matched: str | None, clamped: bool) -> str:
+    """Anthropic's stop_reason for a chat choice's finish_reason (and the stop string that matched, if any)."""
     finish = choice.get("finish_reason")
     if finish == "tool_calls":
-        return "tool_use", None
+        return "tool_use"
     if finish == "length":
-        return ("model_context_window_exceeded" if clamped else "max_tokens"), None
-    matched = choice.get("stop_reason")
-    if isinstance(matched, str) and matched in stops:
-        return "stop_sequence", matched
-    return "end_turn", None
+        return "model_context_window_exceeded" if clamped else "max_tokens"
+    return "stop_sequence" if matched is not None else "end_turn"
 
 
 def tool_input(arguments: str) -> dict[str, Any]:
@@ -298,6 +313,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
     upstream = engine_body(request, req, "messages")
     received(request, "messages", req.model, req.stream)
     clamped = await _fit_context(request, upstream)
+    if req.sampling.stop:
+        upstream["include_stop_str_in_output"] = True  # to tell which stop matched (cut_stop); ignored by engines without it
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     pd = request.app[PD]
     stops = req.sampling.stop
@@ -311,16 +328,18 @@ async def messages(request: web.Request) -> web.StreamResponse:
     choice = (result.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     content: list[dict[str, Any]] = []
-    if message.get("content") or not message.get("tool_calls"):
-        content.append({"type": "text", "text": message.get("content") or ""})
+    text, matched = message.get("content") or "", None
+    if choice.get("finish_reason") == "stop" and stops:
+        text, matched = cut_stop(text, stops, choice.get("stop_reason"))
+    if text or not message.get("tool_calls"):
+        content.append({"type": "text", "text": text})
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
         content.append({"type": "tool_use", "id": call.get("id"), "name": function.get("name"),
                         "input": tool_input(function.get("arguments") or "")})
-    reason, sequence = stop_reason(choice, stops, clamped)
     return web.json_response({
         "id": message_id, "type": "message", "role": "assistant", "model": req.model, "content": content,
-        "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(usage),
+        "stop_reason": stop_reason(choice, matched, clamped), "stop_sequence": matched, "usage": _usage(usage),
     })
 
 
@@ -374,6 +393,8 @@ class _EventRelay:
         self.tool_blocks: dict[int, int] = {}  # the chat tool call's index -> its content block index
         self.choice: dict[str, Any] = {}  # finish_reason and stop_reason as the engine said them
         self.usage: dict[str, Any] = {}
+        self.held = ""  # text not sent yet: it may be the stop string the engine included (cut_stop)
+        self.hold = max((len(stop) for stop in stops), default=0)
 
     def _start(self) -> list[bytes]:
         self.started = True
@@ -401,15 +422,23 @@ class _EventRelay:
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             text = delta.get("content")
+            if text and self.hold:  # hold back what may be the stop string, until the end says
+                self.held += text
+                text, self.held = self.held[: -self.hold], self.held[-self.hold:]
             if text:
-                if self.open != "text":
-                    frames += self._open({"type": "text", "text": ""})
-                frames.append(_event({"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": text}}))
+                frames += self._text(text)
+            if delta.get("tool_calls") and self.held:
+                frames += self._text(self.held)
+                self.held = ""
             for call in delta.get("tool_calls") or []:
                 frames += self._tool_delta(call)
             if choice.get("finish_reason"):
                 self.choice = choice
         return frames
+
+    def _text(self, text: str) -> list[bytes]:
+        frames = self._open({"type": "text", "text": ""}) if self.open != "text" else []
+        return [*frames, _event({"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": text}})]
 
     def _tool_delta(self, call: dict[str, Any]) -> list[bytes]:
         """vLLM's streamed tool call (vllm/entrypoints/openai/protocol.py DeltaToolCall: index, id and function.name
@@ -429,9 +458,14 @@ class _EventRelay:
 
     def end(self) -> list[bytes]:
         frames = [] if self.started else self._start()
+        matched = None
+        if self.choice.get("finish_reason") == "stop" and self.stops:
+            self.held, matched = cut_stop(self.held, self.stops, self.choice.get("stop_reason"))
+        if self.held:
+            frames += self._text(self.held)
         if self.index < 0:
             frames += self._open({"type": "text", "text": ""})  # some clients expect a content block
-        reason, sequence = stop_reason(self.choice, self.stops, self.clamped)
+        reason, sequence = stop_reason(self.choice, matched, self.clamped), matched
         usage = {"input_tokens": self.usage.get("prompt_tokens", self.input_tokens), "output_tokens": self.usage.get("completion_tokens", 0)}
         return [*frames, *self._close(),
                 _event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage}),

@@ -33,6 +33,7 @@ class Answer:
     finish_reason: str | None = None  # default: tool_calls when there are calls, else stop
     stop_reason: str | int | None = None  # vLLM's: the stop string that matched
     completion_tokens: int = 5
+    report_stop_reason: bool = True  # False: an engine that says not which stop matched (only includes it when asked)
 
 
 @dataclass
@@ -85,6 +86,10 @@ class Backend:
         body = await request.json()
         self.seen.append(body)
         answer = self.script.pop(0) if self.script else Answer()
+        if isinstance(answer.stop_reason, str) and body.get("include_stop_str_in_output"):  # vLLM: the stop stays in the text
+            answer = Answer(**{**answer.__dict__, "text": answer.text + answer.stop_reason})
+        if not answer.report_stop_reason:
+            answer = Answer(**{**answer.__dict__, "stop_reason": None})
         finish = answer.finish_reason or ("tool_calls" if answer.tool_calls else "stop")
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": answer.completion_tokens,
                  "total_tokens": self.prompt_tokens + answer.completion_tokens, "prompt_tokens_details": {"cached_tokens": 4}}

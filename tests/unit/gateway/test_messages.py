@@ -94,9 +94,11 @@ async def test_streamed_tool_use_has_input_json_deltas(gw) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_stop_sequence_is_named(gw, stream) -> None:
-    """vLLM's choice `stop_reason` (the stop string that matched) → stop_reason "stop_sequence" + the string."""
-    gw.backend.script.append(Answer(text="one two", stop_reason="END"))
+@pytest.mark.parametrize("reports", [True, False])
+async def test_stop_sequence_is_named(gw, stream, reports) -> None:
+    """The stop that matched → stop_reason "stop_sequence" + the string: from vLLM's choice `stop_reason`, or (an engine
+    that does not say) the stop string it includes at the end on `include_stop_str_in_output`, cut before the client."""
+    gw.backend.script.append(Answer(text="one two", stop_reason="END", report_stop_reason=reports))
     kwargs = dict(model=MODEL, max_tokens=50, messages=[{"role": "user", "content": "count"}], stop_sequences=["STOP", "END"])
     if stream:
         async with gw.claude.messages.stream(**kwargs) as s:
@@ -104,7 +106,7 @@ async def test_stop_sequence_is_named(gw, stream) -> None:
     else:
         message = await gw.claude.messages.create(**kwargs)
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == "END"
-    assert message.content[0].text == "one two"
+    assert message.content[0].text == "one two" and gw.body["include_stop_str_in_output"] is True
     gw.backend.script.append(Answer(text="eos"))  # finished on EOS: end_turn, no sequence
     plain = await gw.claude.messages.create(**kwargs)
     assert plain.stop_reason == "end_turn" and plain.stop_sequence is None
