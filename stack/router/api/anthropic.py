@@ -74,6 +74,9 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 _DROPPED_BLOCKS = {"thinking", "redacted_thinking", "server_tool_use", "web_search_tool_result"}
 
 
+_NAMES = {"response_format": "output_config.format", "stop": "stop_sequences"}  # chat field -> the field this API's client sent (refusals name it)
+
+
 def anthropic_error_body(err: APIError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(err.status, "api_error"), "message": err.message}}
 
@@ -310,7 +313,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     max_tokens = Fields(body).integer("max_tokens", minimum=1, required=True)
     req = _parse(body, max_tokens, capabilities(request))
-    upstream = engine_body(request, req, "messages")
+    upstream = engine_body(request, req, "messages", names=_NAMES)
     received(request, "messages", req.model, req.stream)
     clamped = await _fit_context(request, upstream)
     if req.sampling.stop:

@@ -86,12 +86,13 @@ def capabilities(request: web.Request) -> Capabilities:
     return request.app[PD].monitor.capabilities
 
 
-def engine_body(request: web.Request, req: Request, api: str, extras: dict[str, Any] | None = None) -> dict[str, Any]:
+def engine_body(request: web.Request, req: Request, api: str, extras: dict[str, Any] | None = None,
+                names: dict[str, str] | None = None) -> dict[str, Any]:
     """The normalised body the engines receive: `req` fitted to what the backends honour, for the backend model.
 
     `extras`: the client's vLLM fields outside the contract (VLLM_EXTRAS), forwarded verbatim to backends with
-    `vllm_extras`; refused with the unknown-parameter 400 by the others. A refusal is logged with the
-    capabilities it was decided on (router.unsupported_parameter)."""
+    `vllm_extras`; refused with the unknown-parameter 400 by the others. `names`: the chat field → the field the
+    client sent, for refusals. A refusal is logged with the capabilities it was decided on (router.unsupported_parameter)."""
     caps = capabilities(request)
     try:
         if extras and not caps.vllm_extras:
@@ -99,10 +100,12 @@ def engine_body(request: web.Request, req: Request, api: str, extras: dict[str, 
             raise InvalidRequest(f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter")
         body = to_body(fit(req, caps))
     except InvalidRequest as err:
+        if names and err.param in names:  # a translated API names the field its client sent (output_config.format)
+            err = InvalidRequest(err.message.replace(f"'{err.param}'", f"'{names[err.param]}'", 1), param=names[err.param], code=err.code)
         if err.code in ("unsupported_parameter", "unknown_parameter"):
             log_event(events.ROUTER_UNSUPPORTED, f"{api}: refused {err.param}: {err.message}", api=api, param=err.param,
                       capabilities=list(caps.names))
-        raise
+        raise err from None
     body["model"] = resolve_model(request, req.model)
     return {**body, **(extras or {})}
 

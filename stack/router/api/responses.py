@@ -59,6 +59,9 @@ _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _ROLES = {"user", "assistant", "system", "developer"}
 
 
+_NAMES = {"response_format": "text.format", "max_tokens": "max_output_tokens"}  # chat field -> the field this API's client sent (refusals name it)
+
+
 def _messages(f: Fields, caps: Capabilities) -> list[dict[str, Any]]:
     result: list[dict[str, Any]] = []
     instructions = f.string("instructions")
@@ -162,7 +165,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
     body = await read_json(request)
     req = _parse(body, capabilities(request))
-    upstream = engine_body(request, req, "responses")
+    upstream = engine_body(request, req, "responses", names=_NAMES)
     received(request, "responses", req.model, req.stream)
     shape = _Shape(req, body)
     pd = request.app[PD]

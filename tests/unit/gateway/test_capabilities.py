@@ -119,3 +119,16 @@ def test_capabilities_setting_is_validated_at_load(tmp_path, value, problem) -> 
     with pytest.raises(ConfigError) as err:
         router_config.load(path, env={})
     assert err.value.key == "decode.capabilities" and problem in err.value.problem and str(path) in str(err.value)
+
+
+async def test_translated_apis_name_their_own_fields_in_refusals(gateway) -> None:
+    """No structured outputs: Anthropic's refusal names output_config.format, Responses' text.format."""
+    gw = await gateway(capabilities=["tools"])
+    schema = {"type": "object"}
+    with pytest.raises(anthropic.BadRequestError) as messages:
+        await gw.claude.messages.create(model=MODEL, max_tokens=5, messages=USER,
+                                        output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert "'output_config.format'" in messages.value.body["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as responses:
+        await gw.oai.responses.create(model=MODEL, input="x", text={"format": {"type": "json_object"}})
+    assert responses.value.body["param"] == "text.format" and "'text.format'" in responses.value.body["message"]
