@@ -11,7 +11,7 @@
     [p2pnccl]   registry_port, instance_ttl_ms: vLLM P2pNccl engines register themselves (P2pNcclConfig)
 
 `PREFILL_ENDPOINT` and `DECODE_ENDPOINT` in the environment override the file (the article's
-.env); so do `BACKEND_HEALTH_CHECK`, `KV_CONNECTOR` and `P2PNCCL_REGISTRY_PORT` (the GPU overlays).
+.env); so do `BACKEND_HEALTH_CHECK`, `BACKEND_CAPABILITIES`, `KV_CONNECTOR` and `P2PNCCL_REGISTRY_PORT` (the GPU overlays).
 `KV_TRANSFER_PORT` sets nothing here: decode reports its KV port on GET /health, and the router
 only checks the variable against that (discovery.py). Keys never live in these files: a value
 that looks like a secret stops start-up with a message naming the env var to use instead.
@@ -191,6 +191,14 @@ def _with_env_overrides(data: dict[str, Any], env: Mapping[str, str], file: str)
             section = data.setdefault(table, {})
             if isinstance(section, dict):
                 section["health_check"] = health_check
+    capabilities = env.get("BACKEND_CAPABILITIES", "").strip()
+    if capabilities:  # the GPU overlay's vLLM engines report no capabilities: "vllm" (or a comma-separated list of flags)
+        value: Any = capabilities if "," not in capabilities and capabilities in ("auto", "vllm", "none") else \
+            [flag.strip() for flag in capabilities.split(",") if flag.strip()]
+        for table in ("prefill", "decode"):
+            section = data.setdefault(table, {})
+            if isinstance(section, dict):
+                section["capabilities"] = value
     registry_text = env.get("P2PNCCL_REGISTRY_PORT", "").strip()
     if registry_text:
         if not registry_text.isdigit() or not 0 <= int(registry_text) < 65536:

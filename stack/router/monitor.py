@@ -100,6 +100,7 @@ class HealthMonitor:
     def leave(self, url: str) -> None:
         """A registered instance stopped pinging."""
         self.scheduler.remove_backend(url)
+        self._capabilities.pop(url, None)
 
     # -- health rounds -----------------------------------------------------------------------------
     async def _every(self, interval_s: float) -> None:

@@ -132,3 +132,15 @@ async def test_translated_apis_name_their_own_fields_in_refusals(gateway) -> Non
     with pytest.raises(openai.BadRequestError) as responses:
         await gw.oai.responses.create(model=MODEL, input="x", text={"format": {"type": "json_object"}})
     assert responses.value.body["param"] == "text.format" and "'text.format'" in responses.value.body["message"]
+
+
+@pytest.mark.parametrize("env, expected", [("vllm", "vllm"), ("tools, logprobs", ("tools", "logprobs"))])
+def test_backend_capabilities_env_sets_both_pools(tmp_path, env, expected) -> None:
+    """The GPU overlay's BACKEND_CAPABILITIES=vllm (vLLM reports nothing) reaches [prefill] and [decode]."""
+    path = tmp_path / "settings.toml"
+    path.write_text(settings_text(tmp_path, "http://a:8000", "http://b:8000"))
+    config = router_config.load(path, env={"BACKEND_CAPABILITIES": env})
+    assert config.prefill.capabilities == expected and config.decode.capabilities == expected
+    with pytest.raises(ConfigError) as err:
+        router_config.load(path, env={"BACKEND_CAPABILITIES": "tools,mind_reading"})
+    assert "mind_reading" in err.value.problem
