@@ -37,8 +37,10 @@ Request shapes follow the anthropic SDK's types (anthropic/types: `MessageCreate
 
 Clamping (issue 10): Claude Code asks for max_tokens 32000 whatever the model; OpenAI's APIs keep vLLM's 400 for a
 request beyond the context, but here max_tokens becomes min(max_tokens, max_model_len - prompt tokens), the prompt
-counted by the engine (vLLM's POST /tokenize on the translated chat request). The count is asked only when the
-request might not fit (its UTF-8 size + max_tokens exceeds the context: a token is at least one byte).
+counted by the engine (vLLM's POST /tokenize on the translated chat request, tools included). The count is asked
+first when the request might not fit: max_tokens at least a quarter of the context, or twice the request's UTF-8 size
+(room for the chat template's own text) + max_tokens beyond it. A smaller request beyond the context gets the
+engine's 400.
 
 Streams follow Anthropic's event sequence (`message_start`, `content_block_start`, `ping`, `content_block_delta`
 text_delta / input_json_delta…, `content_block_stop`, `message_delta`, `message_stop`; no `[DONE]`): one text block,
@@ -281,22 +283,27 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"arguments": value}
 
 
-async def _fit_context(request: web.Request, upstream: dict[str, Any]) -> bool:
-    """Clamp upstream max_tokens to the context left after the prompt (engine's count); True if it was lowered."""
+async def _fit_context(request: web.Request, upstream: dict[str, Any]) -> tuple[bool, dict[str, Any] | None]:
+    """Clamp upstream max_tokens to the context left after the prompt (the engine's count): (lowered?, the /tokenize
+    answer if one was asked)."""
     window = request.app[PD].monitor.max_model_len
     wanted = upstream.get("max_tokens")
     if not window or not isinstance(wanted, int):
-        return False
+        return False, None
     size = len(json.dumps([upstream["messages"], upstream.get("tools")], ensure_ascii=False).encode())
-    if size + wanted <= window:
-        return False  # fits whatever the tokenizer says: a token is at least one byte
+    if wanted * 4 < window and size * 2 + wanted < window:
+        return False, None  # a small answer after a prompt far from the window (the chat template's text included)
     answer = await _tokenize(request, upstream)
     count = (answer or {}).get("count")
     window = (answer or {}).get("max_model_len") or window
     if not isinstance(count, int) or count >= window or count + wanted <= window:
-        return False  # unknown, too long for any answer (the engine's 400 says so), or it fits
+        return False, answer  # unknown, too long for any answer (the engine's 400 says so), or it fits
     upstream["max_tokens"] = window - count
-    return True
+    return True, answer
+
+
+async def _known(answer: dict[str, Any]) -> dict[str, Any]:
+    return answer
 
 
 async def _tokenize(request: web.Request, upstream: dict[str, Any]) -> dict[str, Any] | None:
@@ -315,14 +322,15 @@ async def messages(request: web.Request) -> web.StreamResponse:
     req = _parse(body, max_tokens, capabilities(request))
     upstream = engine_body(request, req, "messages", names=_NAMES)
     received(request, "messages", req.model, req.stream)
-    clamped = await _fit_context(request, upstream)
+    clamped, counted = await _fit_context(request, upstream)
     if req.sampling.stop:
         upstream["include_stop_str_in_output"] = True  # to tell which stop matched (cut_stop); ignored by engines without it
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     pd = request.app[PD]
     stops = req.sampling.stop
     if req.stream:
-        count = asyncio.ensure_future(_tokenize(request, upstream))  # in parallel with the prefill leg
+        # The prompt count for message_start: asked in parallel with the prefill leg, unless the clamp asked already.
+        count = asyncio.ensure_future(_tokenize(request, upstream) if counted is None else _known(counted))
         relay_ = _EventRelay(message_id, req.model, stops, clamped)
         return await relay(request, _counted(pd.stream(request[REQUEST_ID], CHAT_PATH, upstream), count, relay_, upstream), relay_)
     result = await pd.complete(request[REQUEST_ID], CHAT_PATH, upstream)

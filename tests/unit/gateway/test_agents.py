@@ -33,10 +33,11 @@ from tests.unit.router_front.conftest import RealEngine, free_port
 KEY = "pd-agents-test-key-4c3b2a"
 MODEL = "your-model-id"
 BASH = {"name": "Bash", "description": "Run a shell command", "cache_control": {"type": "ephemeral"},
-        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string", "maxLength": 16}}, "required": ["command"]}}
 READ = {"name": "Read", "description": "Read a file",
-        "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}}, "required": ["file_path"]}}
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "count": {"type": "integer"}},
+        "input_schema": {"type": "object", "properties": {"file_path": {"type": "string", "maxLength": 16}}, "required": ["file_path"]}}
+# Bounded (maxLength, maximum) so that random weights finish the object well within max_tokens.
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "count": {"type": "integer", "minimum": 0, "maximum": 99}},
           "required": ["name", "count"], "additionalProperties": False}
 
 
@@ -114,8 +115,11 @@ async def test_claude_code_session(claude) -> None:
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is in README.md?"}]
     for turn in range(3):
         last = turn == 2
-        async with claude.messages.stream(model="claude-sonnet-4-20250514", max_tokens=32000, system=system, tools=[BASH, READ],
-                                          messages=messages, tool_choice={"type": "none"} if last else {"type": "any"},
+        # Claude Code's max_tokens 32000 (clamped to the window) on the tool turns: the grammar ends them; the text turn
+        # is kept short, since random weights would write gibberish to the end of the window.
+        async with claude.messages.stream(model="claude-sonnet-4-20250514", max_tokens=24 if last else 32000, system=system,
+                                          tools=[BASH, READ],
+                                          messages=messages, tool_choice={"type": "none"} if last else {"type": "any", "disable_parallel_tool_use": True},
                                           extra_body={"temperature": 0}) as stream:
             message = await stream.get_final_message()
         assert message.usage.input_tokens > 0
@@ -133,33 +137,42 @@ async def test_claude_code_session(claude) -> None:
                                                      for use in uses]})
 
 
+async def _final(stream: Any) -> Any:
+    """The response of the terminal event: response.completed, or response.incomplete (max_output_tokens hit, as
+    OpenAI ends such a stream; the SDK's get_final_response() only takes response.completed)."""
+    events = [event async for event in stream]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type in ("response.completed", "response.incomplete"), events[-1]
+    return events[-1].response
+
+
 async def test_codex_session(oai) -> None:
     tool = {"type": "function", "name": "shell", "description": "Run a command", "strict": True,
-            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"],
+            "parameters": {"type": "object", "properties": {"command": {"type": "string", "maxLength": 16}}, "required": ["command"],
                            "additionalProperties": False}}
     items: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "input_text", "text": "List the files."}]}]
     async with oai.responses.stream(model=MODEL, instructions="You are Codex.", input=items, tools=[tool], tool_choice="required",
-                                    max_output_tokens=64, temperature=0) as stream:
-        first = await stream.get_final_response()
+                                    parallel_tool_calls=False, max_output_tokens=200, temperature=0) as stream:
+        first = await _final(stream)
     calls = [o for o in first.output if o.type == "function_call"]
     assert calls and calls[0].name == "shell"
     jsonschema.validate(json.loads(calls[0].arguments), tool["parameters"])
     items += [{"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments} for c in calls]
     items += [{"type": "function_call_output", "call_id": c.call_id, "output": "README.md\npd"} for c in calls]
     async with oai.responses.stream(model=MODEL, input=items, tools=[tool], tool_choice="none", max_output_tokens=16) as stream:
-        final = await stream.get_final_response()
+        final = await _final(stream)
     assert [o.type for o in final.output] == ["message"] and final.status in ("completed", "incomplete")
 
 
 async def test_json_schema_outputs_validate_on_all_three_apis(oai, claude) -> None:
     chat = await oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "A name and a count."}], max_tokens=64, temperature=0,
+        model=MODEL, messages=[{"role": "user", "content": "A name and a count."}], max_tokens=200, temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "Item", "schema": SCHEMA, "strict": True}})
     jsonschema.validate(json.loads(chat.choices[0].message.content), SCHEMA)
-    response = await oai.responses.create(model=MODEL, input="A name and a count.", max_output_tokens=64, temperature=0,
+    response = await oai.responses.create(model=MODEL, input="A name and a count.", max_output_tokens=200, temperature=0,
                                           text={"format": {"type": "json_schema", "name": "Item", "schema": SCHEMA, "strict": True}})
     jsonschema.validate(json.loads(response.output_text), SCHEMA)
-    async with claude.messages.stream(model=MODEL, max_tokens=64, messages=[{"role": "user", "content": "A name and a count."}],
+    async with claude.messages.stream(model=MODEL, max_tokens=200, messages=[{"role": "user", "content": "A name and a count."}],
                                       output_config={"format": {"type": "json_schema", "schema": SCHEMA}}) as stream:
         message = await stream.get_final_message()
     jsonschema.validate(json.loads(message.content[0].text), SCHEMA)
