@@ -34,7 +34,6 @@ class Capabilities:
     min_p: bool = False
     min_tokens: bool = False
     stop_token_ids: bool = False
-    vllm_extras: bool = False  # vLLM's other request fields (VLLM_EXTRAS) are forwarded verbatim
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -52,8 +51,10 @@ VLLM = Capabilities(**dict.fromkeys(FLAGS, True))
 PRESETS: dict[str, Capabilities] = {"none": CPU_ENGINE, "vllm": VLLM}
 
 # vLLM request fields outside the contract (vllm/entrypoints/openai/protocol.py, ChatCompletionRequest's and
-# CompletionRequest's "-- begin of vLLM-specific sampling/extra parameters --" blocks), forwarded unchanged to a
-# backend with `vllm_extras`; anyone else answers them with the unknown-parameter 400.
+# CompletionRequest's "-- begin of vLLM-specific sampling/extra parameters --" blocks), forwarded unchanged only
+# where every backend is declared vLLM (settings.toml `capabilities = "vllm"`): no flag an engine reports can claim
+# them, since an engine that does not know a field ignores it (vLLM's parser, and ours, drop unknown fields). Elsewhere
+# they are the unknown-parameter 400.
 VLLM_EXTRAS: frozenset[str] = frozenset({
     "best_of", "use_beam_search", "length_penalty", "include_stop_str_in_output", "skip_special_tokens",
     "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs", "allowed_token_ids", "bad_words",

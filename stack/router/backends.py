@@ -96,6 +96,11 @@ class PoolConfig:
         return tuple(dict.fromkeys(url.rstrip("/") for url in merged))
 
     @property
+    def is_vllm(self) -> bool:
+        """Declared vLLM (the "vllm" preset): vLLM's own request fields (VLLM_EXTRAS) pass through to it."""
+        return self.capabilities == "vllm"
+
+    @property
     def declared(self) -> Capabilities | None:
         """The capabilities settings.toml sets for this pool, or None: learn them from each backend."""
         return None if self.capabilities == "auto" else from_setting(self.capabilities)

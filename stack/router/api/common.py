@@ -91,11 +91,11 @@ def engine_body(request: web.Request, req: Request, api: str, extras: dict[str, 
     """The normalised body the engines receive: `req` fitted to what the backends honour, for the backend model.
 
     `extras`: the client's vLLM fields outside the contract (VLLM_EXTRAS), forwarded verbatim to backends with
-    `vllm_extras`; refused with the unknown-parameter 400 by the others. `names`: the chat field → the field the
+    pools declared vLLM (monitor.vllm_fields); refused with the unknown-parameter 400 elsewhere. `names`: the chat field → the field the
     client sent, for refusals. A refusal is logged with the capabilities it was decided on (router.unsupported_parameter)."""
     caps = capabilities(request)
     try:
-        if extras and not caps.vllm_extras:
+        if extras and not request.app[PD].monitor.vllm_fields:
             name = next(iter(extras))
             raise InvalidRequest(f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter")
         body = to_body(fit(req, caps))

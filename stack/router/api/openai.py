@@ -31,7 +31,7 @@ from stack.protocol.capabilities import unsupported
 from stack.protocol.fields import Fields
 from stack.protocol.parse import FIELDS, parse
 from stack.protocol.capabilities import VLLM_EXTRAS
-from stack.router.api.common import capabilities, charge, engine_body, read_json, received, relay, vllm_extras
+from stack.router.api.common import charge, engine_body, read_json, received, relay, vllm_extras
 from stack.router.appkeys import CONFIG, PD
 
 CHAT_PATH = "/v1/chat/completions"
@@ -91,7 +91,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     _check_known(body, _COMPLETION_PARAMS | VLLM_EXTRAS)
     req = parse("completion", body)
-    vllm = capabilities(request).vllm_extras
+    vllm = request.app[PD].monitor.vllm_fields
     _check_completion_only(Fields(body), vllm)
     extras = vllm_extras(body) if vllm else {k: v for k, v in vllm_extras(body).items() if k not in ("echo", "best_of")}
     upstream = engine_body(request, req, "completions", extras)

@@ -144,3 +144,13 @@ def test_backend_capabilities_env_sets_both_pools(tmp_path, env, expected) -> No
     with pytest.raises(ConfigError) as err:
         router_config.load(path, env={"BACKEND_CAPABILITIES": "tools,mind_reading"})
     assert "mind_reading" in err.value.problem
+
+
+async def test_vllm_own_fields_need_the_vllm_preset(gateway) -> None:
+    """An engine reporting every flag still gets no vLLM-only field (it would ignore it silently): 400 naming it."""
+    gw = await gateway(capabilities=ALL_FLAGS)
+    with pytest.raises(openai.BadRequestError) as refused:
+        await gw.oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=5, extra_body={"skip_special_tokens": False})
+    assert refused.value.body["param"] == "skip_special_tokens" and refused.value.body["code"] == "unknown_parameter"
+    await gw.oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=5, extra_body={"top_k": 3, "min_tokens": 1})
+    assert gw.body["top_k"] == 3 and gw.body["min_tokens"] == 1  # contract fields: per flag
