@@ -1,10 +1,10 @@
 """What counting the prompt (engine /tokenize, in parallel with the prefill leg) adds to /v1/messages' first token.
 
-Starts a real engine (dummy:tiny, role both) and the real router process on loopback, then alternates N streamed
+Starts a real engine (dummy:tiny by default, role both) and the real router process on loopback, then alternates N streamed
 requests with the same prompt on /v1/chat/completions (no count) and /v1/messages (message_start waits for the
 count), timing the first text delta of each; also times /tokenize alone. Not a timed test: run by hand.
 
-    python -m benchmarks.messages_ttft [--requests 30] [--words 60]
+    python -m benchmarks.messages_ttft [--requests 30] [--words 60] [--checkpoint dummy:tiny]
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.unit.gateway.test_agents import KEY, MODEL, RouterProcess
-from tests.unit.router_front.conftest import RealEngine
+from tests.unit.gateway.test_agents import KEY, MODEL, EngineProcess, RouterProcess
 
 
 async def _first_delta(session: aiohttp.ClientSession, url: str, body: dict, marker: bytes) -> float:
@@ -60,9 +59,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--words", type=int, default=60)
+    parser.add_argument("--checkpoint", default="dummy:tiny")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        engine = RealEngine(Path(tmp))
+        engine = EngineProcess(Path(tmp), args.checkpoint)
         (Path(tmp) / "router").mkdir()
         router = RouterProcess(Path(tmp) / "router", engine)
         try:

@@ -1,8 +1,9 @@
 """Issue 10's "must show": coding agents' sessions through a real router process over a real engine process.
 
 `python -m stack.router` (its settings.toml: our engine, capabilities learned from its GET /health) in front of
-`python -m stack.engine` (role both, dummy:tiny random weights: the text is gibberish, but forced tool calls and
-structured outputs are grammar-constrained, so they are valid whatever the weights). Driven by the official SDKs:
+`python -m stack.engine` (role both, dummy:small random weights, whose 32k window holds a coding agent's system prompt
+and tool list — dummy:tiny's 512 tokens do not; the text is gibberish, but forced tool calls and structured outputs
+are grammar-constrained, so they are valid whatever the weights). Driven by the official SDKs:
 - a Claude-Code-shaped session through anthropic's `messages.stream`: system blocks with cache_control, a tool list,
   three turns (tool_choice any → tool_use, the client answers tool_result; the last turn ends in text);
 - a Codex-shaped session on /v1/responses through `client.responses.stream`: a function call →
@@ -28,7 +29,7 @@ import openai
 import pytest
 
 from stack.common.health_probe import SERVING, probe
-from tests.unit.router_front.conftest import RealEngine, free_port
+from tests.unit.router_front.conftest import free_port
 
 KEY = "pd-agents-test-key-4c3b2a"
 MODEL = "your-model-id"
@@ -41,10 +42,41 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "count"], "additionalProperties": False}
 
 
+class EngineProcess:
+    """`python -m stack.engine`, role both, on free loopback ports (gRPC health SERVING once it is up)."""
+
+    def __init__(self, workdir: Path, checkpoint: str = "dummy:small") -> None:
+        self.port, self.health_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.health_addr = f"127.0.0.1:{self.health_port}"
+        config = workdir / "engine.json"
+        config.write_text(json.dumps({"model": MODEL, "role": "both", "checkpoint": checkpoint, "kv_transfer_config": {"kv_port": 0}}))
+        self.log_path = workdir / "engine.log"
+        self.log = self.log_path.open("w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "stack.engine", "--config", str(config), "--host", "127.0.0.1", "--port", str(self.port),
+             "--health-port", str(self.health_port)], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120  # the bound only catches a hung or crashed engine
+        while probe(self.health_addr, timeout=0.5) != SERVING:
+            assert self.process.poll() is None, f"engine exited early: {self.log_path.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, "engine not SERVING after 120 s"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
 class RouterProcess:
     """`python -m stack.router` over one engine (colocated), on free loopback ports."""
 
-    def __init__(self, workdir: Path, engine: RealEngine) -> None:
+    def __init__(self, workdir: Path, engine: EngineProcess) -> None:
         self.port, self.health_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         settings = workdir / "settings.toml"
@@ -88,7 +120,7 @@ db_path = "{workdir / 'usage.sqlite3'}"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    engine = RealEngine(tmp_path_factory.mktemp("engine"))
+    engine = EngineProcess(tmp_path_factory.mktemp("engine"))
     router = None
     try:
         router = RouterProcess(tmp_path_factory.mktemp("router"), engine)
