@@ -95,17 +95,18 @@ async def test_streamed_tool_use_has_input_json_deltas(gw) -> None:
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("reports", [True, False])
-async def test_stop_sequence_is_named(gw, stream, reports) -> None:
+@pytest.mark.parametrize("stop", ["END", "THE END"])  # "THE END" arrives split over two chunks
+async def test_stop_sequence_is_named(gw, stream, reports, stop) -> None:
     """The stop that matched → stop_reason "stop_sequence" + the string: from vLLM's choice `stop_reason`, or (an engine
     that does not say) the stop string it includes at the end on `include_stop_str_in_output`, cut before the client."""
-    gw.backend.script.append(Answer(text="one two", stop_reason="END", report_stop_reason=reports))
-    kwargs = dict(model=MODEL, max_tokens=50, messages=[{"role": "user", "content": "count"}], stop_sequences=["STOP", "END"])
+    gw.backend.script.append(Answer(text="one two", stop_reason=stop, report_stop_reason=reports))
+    kwargs = dict(model=MODEL, max_tokens=50, messages=[{"role": "user", "content": "count"}], stop_sequences=["STOP", stop])
     if stream:
         async with gw.claude.messages.stream(**kwargs) as s:
             message = await s.get_final_message()
     else:
         message = await gw.claude.messages.create(**kwargs)
-    assert message.stop_reason == "stop_sequence" and message.stop_sequence == "END"
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop
     assert message.content[0].text == "one two" and gw.body["include_stop_str_in_output"] is True
     gw.backend.script.append(Answer(text="eos"))  # finished on EOS: end_turn, no sequence
     plain = await gw.claude.messages.create(**kwargs)
