@@ -36,7 +36,7 @@ from stack.router.discovery import KVDiscovery, kv_hints
 from stack.router.handoff import Route, handoff_for
 from stack.router.metrics import Metrics
 from stack.router.monitor import HealthMonitor
-from stack.router.upstream import LegFailed, exception_failure, open_stream, post_json, status_failure, timeout
+from stack.router.upstream import EngineError, LegFailed, exception_failure, open_stream, post_json, status_failure, timeout
 from stack.router.scheduler import NoBackendAvailable, Scheduler
 
 
@@ -393,11 +393,11 @@ class PDClient:
             raise ValueError("chunk is not a JSON object")
         if "error" in chunk:  # vLLM-style in-band error
             error = chunk["error"]
-            message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
-            code = error.get("code") if isinstance(error, dict) else None
+            code = error.get("code") if isinstance(error, dict) else None  # vLLM: the HTTP status, an int
+            status = code if isinstance(code, int) and not isinstance(code, bool) and code >= 400 else 502
             log_event(events.ROUTER_UPSTREAM_ERROR, f"decode {decode.url} sent an in-band error", "WARNING",
-                      backend=decode.url, role=decode.role, status=code, body=data[:2000])
-            raise status_failure(decode, code if isinstance(code, int) and code >= 400 else 502, message)
+                      backend=decode.url, role=decode.role, status=status, body=data[:2000])
+            raise status_failure(decode, status, EngineError.parse(data))
         return chunk
 
     def _first_token(self, job: _Job, decode: Backend, sent: float) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -47,33 +48,46 @@ def _role_name(backend: Backend) -> str:
     return "engine" if backend.role == "both" else f"{backend.role} engine"
 
 
-def engine_message(text: str) -> str:
-    """The human message inside an engine error body (OpenAI, vLLM and plain shapes)."""
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return text.strip()[:500] or "(empty body)"
-    if isinstance(data, dict):
-        inner = data.get("error")
-        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
-            return inner["message"]
-        for key in ("message", "detail", "error"):
-            if isinstance(data.get(key), str):
-                return data[key]
-    return text.strip()[:500]
+@dataclass(frozen=True)
+class EngineError:
+    """What an engine's error body says: its message and, in OpenAI's shape, the param and code it named."""
+
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> EngineError:
+        """Read OpenAI, vLLM and plain error bodies."""
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return cls(text.strip()[:500] or "(empty body)")
+        if isinstance(data, dict):
+            inner = data.get("error")
+            if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+                param, code = inner.get("param"), inner.get("code")
+                return cls(inner["message"], param if isinstance(param, str) else None, code if isinstance(code, str) else None)
+            for key in ("message", "detail", "error"):
+                if isinstance(data.get(key), str):
+                    return cls(data[key])
+        return cls(text.strip()[:500])
 
 
-def status_failure(backend: Backend, status: int, message: str) -> LegFailed:
-    """Map an engine's HTTP error status to the client-facing error and whether to retry."""
+def status_failure(backend: Backend, status: int, error: EngineError) -> LegFailed:
+    """Map an engine's HTTP error status to the client-facing error and whether to retry. A client error keeps
+    the param and code the engine named (e.g. max_tokens, context_length_exceeded: a limit only the model knows)."""
+    message = error.message
     client_errors: dict[int, type[APIError]] = {400: InvalidRequest, 404: NotFound, 413: PayloadTooLarge, 422: InvalidRequest}
     if status in client_errors:
-        return LegFailed(client_errors[status](message, code="upstream_rejected"), retryable=False, status=status)
+        return LegFailed(client_errors[status](message, code=error.code or "upstream_rejected", param=error.param),
+                         retryable=False, status=status)
     if status in (429, 503):
         return LegFailed(Overloaded(f"{_role_name(backend)} is overloaded: {message}", code="upstream_overloaded"), retryable=True, status=status)
     if status == 504:
         return LegFailed(UpstreamTimeout(f"{_role_name(backend)} timed out: {message}"), retryable=True, status=status)
     if 400 <= status < 500:
-        return LegFailed(InvalidRequest(message, code=f"upstream_{status}"), retryable=False, status=status)
+        return LegFailed(InvalidRequest(message, code=error.code or f"upstream_{status}", param=error.param), retryable=False, status=status)
     return LegFailed(UpstreamError(f"{_role_name(backend)} failed (HTTP {status}): {message}"), retryable=True, status=status)
 
 
@@ -85,7 +99,7 @@ async def response_failure(backend: Backend, response: aiohttp.ClientResponse) -
         text = f"(body unreadable: {exc!r})"
     log_event(events.ROUTER_UPSTREAM_ERROR, f"{backend.role} {backend.url} answered HTTP {response.status}", "WARNING",
               backend=backend.url, role=backend.role, status=response.status, body=text[:2000])
-    return status_failure(backend, response.status, engine_message(text))
+    return status_failure(backend, response.status, EngineError.parse(text))
 
 
 def exception_failure(backend: Backend, exc: BaseException, phase: str) -> LegFailed:
