@@ -16,7 +16,7 @@ from typing import Sequence, TextIO
 
 from doctor import environment, render, sources
 from doctor.errors import DoctorError
-from doctor.checks import REGISTRY, STALLED, run_checks
+from doctor.checks import REGISTRY, STALLED, UNEXPLAINED, run_checks
 from doctor.findings import Context, Finding
 
 EPILOG = "exit codes: 0 no failure (warnings too, unless --strict), 1 findings, 2 the doctor could not run"
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def diagnose(args: argparse.Namespace, stdin: TextIO | None = None) -> tuple[list[Finding], dict]:
-    known = {check.id for check in REGISTRY} | {STALLED}
+    known = {check.id for check in REGISTRY} | {STALLED, UNEXPLAINED}
     unknown = sorted(set(args.check) - known)
     if unknown:
         raise DoctorError(f"--check {', '.join(unknown)}: unknown (known: {', '.join(sorted(known))})")

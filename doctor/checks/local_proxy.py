@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit
 
+from doctor.checks.client_view import never_left
 from doctor.environment import NO_PROXY_VARS, PROXY_VARS, redact_url
 from doctor.findings import Context, Finding, finding
 from stack.common import events
@@ -29,7 +30,7 @@ def check(ctx: Context) -> list[Finding]:
     out.extend(_base_urls(ctx))
     router_down = _router_down(ctx, client)
     out.extend(router_down)
-    if client and not router_down:
+    if client and not router_down and not never_left(ctx):
         out.extend(_not_in_router_log(ctx, client, [f.id for f in out]))
     return out
 
