@@ -74,9 +74,10 @@ def test_doctor_cannot_run_exits_2(bundles, tmp_path, capsys):
 
 
 def test_since_filters_old_lines(bundles):
-    """--since an ISO time after the bundle → no line left → exit 2; before it → diagnosed."""
+    """--since an ISO time after the bundle → a quiet window (exit 0, `quiet`); before it → diagnosed."""
     path = str(bundles / "healthy_v1.log")
-    assert run("diagnose", "--logs", path, "--since", "2026-11-29T21:00:00Z")[0] == 2
+    code, out = run("diagnose", "--logs", path, "--since", "2026-11-29T21:00:00Z")
+    assert code == 0 and "quiet: no completed request in the window" in out
     assert run("diagnose", "--logs", path, "--since", "2026-11-29T20:00:00Z")[0] == 0
 
 
