@@ -15,7 +15,7 @@ ENGINES = ("prefill", "decode")
 
 
 def check(ctx: Context) -> list[Finding]:
-    if "router" not in ctx.services_seen():
+    if "router" not in ctx.services_seen() and "router" not in ((ctx.docker or {}).get("services") or {}):
         return []
     direct = [t for t in ctx.timelines.values()
               if not any(r.service == "router" for r in t.records)
