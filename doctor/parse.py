@@ -235,6 +235,8 @@ def _undeclared(stats: ParseStats, declared: events.Event | None, event: str, ke
 
 
 def _client_record(text: str, where: str) -> Record | None:
+    if text.lstrip().startswith('File "'):  # a traceback frame: `line 401` is a line number, not a status
+        return None
     found = classify_client_line(text)
     if found is None:
         return None
