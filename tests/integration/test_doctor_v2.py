@@ -8,6 +8,7 @@ faults in one recreation to keep the time down) is removed at module end.
 from __future__ import annotations
 
 import json
+import math
 import time
 import traceback
 import urllib.error
@@ -53,7 +54,12 @@ def problems(doc) -> set[str]:
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat()
+    """A window start after every earlier line: the daemon's `since` has whole seconds, so start at the next
+    whole second and let the clock pass it (bounded: at most one second)."""
+    start = math.ceil(time.time())
+    while time.time() < start:
+        time.sleep(0.05)
+    return datetime.fromtimestamp(start, timezone.utc).isoformat()
 
 
 def _post(url: str, body: dict, key: str | None, rid: str, timeout: float = 60) -> tuple[int, dict]:

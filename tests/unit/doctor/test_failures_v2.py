@@ -89,3 +89,18 @@ def test_auth_conflict_explains_the_401_instead_of_old_key(bundles, tmp_path):
     assert f.fix == "unset ANTHROPIC_API_KEY (keep ANTHROPIC_AUTH_TOKEN)"
     assert "auth.unknown_key" not in ids(findings)
     assert len(f.request_ids) == 2
+
+
+def test_base_url_on_a_published_engine_port_is_an_engine_url(bundles, tmp_path):
+    """Live facts: decode publishes host port 18001 → OPENAI_BASE_URL on :18001 is client.base_url_engine."""
+    from doctor import environment
+    from doctor.checks import run_checks
+    from doctor.findings import Context
+    from doctor.sources import load_files
+
+    loaded = load_files([str(bundles / "healthy_v1.log")])
+    env = environment.snapshot(tmp_path, environ={"OPENAI_BASE_URL": "http://localhost:18001/v1"})
+    docker = {"project": "pd", "services": {"decode": "running", "router": "running"},
+              "published": {"decode": ["127.0.0.1:18001->8000/tcp"]}}
+    findings = run_checks(Context.build(loaded.records, env, loaded.stats, docker))
+    assert by_id(findings, "client.base_url_engine").severity == "error"
