@@ -40,6 +40,8 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _DOCKER_TS = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:Z|[+-]\d{2}:?\d{2})\s")
 _INDEX_SUFFIX = re.compile(r"[-_]\d+$")
 _REQUEST_ID = re.compile(r"request[ _-]?id[\"']?\s*[:=]\s*[\"']?([A-Za-z0-9_-]{6,})")
+# A key in a client's own output (`Illegal header value b'Bearer sk-… '`): findings never show key values.
+_SECRET = re.compile(r"(?i)(bearer\s+|x-api-key[\"']?\s*[:=]\s*[\"']?)[^\s'\",}]+")
 _STATUS = re.compile(r"(?:Error code:|API Error:|unexpected status|status(?: code)?:?|HTTP)\s*(\d{3})\b")
 
 # Client-side error strings (shared/reference/gateways.md, part B) → a stable kind.
@@ -241,6 +243,7 @@ def _client_record(text: str, where: str) -> Record | None:
     if found is None:
         return None
     kind, data = found
+    text = _SECRET.sub(r"\1<redacted>", text)
     rid = _REQUEST_ID.search(text)
     return Record(CLIENT, "", f"client.{kind}", rid.group(1) if rid else "-", "ERROR", text.strip()[:300], data,
                   text.strip(), where, HOP_RANK[CLIENT])

@@ -24,7 +24,8 @@ def rejected_for_length(ctx: Context) -> list[tuple[str, int, list]]:
     for t in ctx.timelines.values():
         if t.first(events.ROUTER_PREFILL_DONE) is None:
             continue
-        lines = [r for r in t.records if r.service == "decode" and (m := _CONTEXT.search(r.msg))]
+        lines = [r for r in t.records if r.service == "decode" and "maximum context length" in r.msg
+                 and _CONTEXT.search(r.msg)]
         if lines:
             out.append((t.request_id, int(_CONTEXT.search(lines[0].msg).group(1)), lines))
     return out

@@ -104,3 +104,11 @@ def test_base_url_on_a_published_engine_port_is_an_engine_url(bundles, tmp_path)
               "published": {"decode": ["127.0.0.1:18001->8000/tcp"]}}
     findings = run_checks(Context.build(loaded.records, env, loaded.stats, docker))
     assert by_id(findings, "client.base_url_engine").severity == "error"
+
+
+def test_keys_in_client_output_are_redacted(bundles, tmp_path):
+    """The refused header carries the key: evidence shows `Bearer <redacted>`, never the key."""
+    findings, _ = diagnose(bundles / "healthy_v1.log", client=(bundles / "client_header_refused.txt",))
+    f = by_id(findings, "client.header_refused")
+    assert any("Bearer <redacted>" in e.line for e in f.evidence)
+    assert "sk-pd-3f9c1a2b" not in repr(findings)
