@@ -17,9 +17,11 @@ ENGINES = ("prefill", "decode")
 def check(ctx: Context) -> list[Finding]:
     if "router" not in ctx.services_seen() and "router" not in ((ctx.docker or {}).get("services") or {}):
         return []
-    direct = [t for t in ctx.timelines.values()
-              if not any(r.service == "router" for r in t.records)
-              and any(r.service in ENGINES and r[events.PD_LEG] is None for r in t.events(events.ENGINE_REQUEST_RECEIVED))]
+    # Start from the engine requests that are no PD leg (rare on a PD stack), then look for a router line.
+    candidates = dict.fromkeys(r.request_id for r in ctx.by_event(events.ENGINE_REQUEST_RECEIVED)
+                               if r.service in ENGINES and r[events.PD_LEG] is None)
+    direct = [t for rid in candidates if (t := ctx.timelines.get(rid)) is not None
+              and not any(r.service == "router" for r in t.records)]
     if not direct:
         return []
     by_service: dict[str, int] = {}

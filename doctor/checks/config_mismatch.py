@@ -20,14 +20,15 @@ MUST_AGREE = ("max_model_len", "block_size", "dtype", "checkpoint", "seed", "mod
 
 def rejected_for_length(ctx: Context) -> list[tuple[str, int, list]]:
     """(request id, decode's max_model_len, decode's lines) for requests prefill served and decode refused."""
+    by_request: dict[str, list] = {}
+    for r in ctx.by_event(events.HTTP_BAD_REQUEST):  # decode's refusal (WARNING): rare, so start from it
+        if r.service == "decode" and "maximum context length" in r.msg and _CONTEXT.search(r.msg):
+            by_request.setdefault(r.request_id, []).append(r)
     out = []
-    for t in ctx.timelines.values():
-        if t.first(events.ROUTER_PREFILL_DONE) is None:
-            continue
-        lines = [r for r in t.records if r.service == "decode" and "maximum context length" in r.msg
-                 and _CONTEXT.search(r.msg)]
-        if lines:
-            out.append((t.request_id, int(_CONTEXT.search(lines[0].msg).group(1)), lines))
+    for rid, lines in by_request.items():
+        t = ctx.timelines.get(rid)
+        if t is not None and t.first(events.ROUTER_PREFILL_DONE) is not None:
+            out.append((rid, int(_CONTEXT.search(lines[0].msg).group(1)), lines))
     return out
 
 
