@@ -2,6 +2,8 @@
 
 Decided after every other diagnosis: any request with router lines that did not complete and whose id
 no finding carries is counted here, by the status the router answered, with its lines as evidence.
+A request the client itself abandoned (router.client_disconnected) is no failure; `healthy` counts it
+among those that did not complete.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from stack.common import events
 def check(ctx: Context, explained: set[str]) -> list[Finding]:
     failed = [t for t in ctx.timelines.values()
               if t.request_id not in explained and not t.complete and any(r.service == "router" for r in t.records)
+              and t.first(events.ROUTER_CLIENT_DISCONNECTED) is None  # the client chose to leave: not a failure
               and ((t.status or 0) >= 400 or t.first(events.ROUTER_REQUEST_DONE) is not None)]
     if not failed:
         return []
