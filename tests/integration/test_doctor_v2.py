@@ -219,3 +219,25 @@ def test_published_engine_port_is_a_router_bypass(stack: Stack, home, decode_v2)
     assert problems(doc) == {"engine.bypassed_router", "config.pd_mismatch"}
     mismatch = finding(doc, "config.pd_mismatch")
     assert mismatch["severity"] == "warning" and "max_model_len: prefill None, decode 64" in mismatch["cause"]
+
+
+def test_explain_a_live_request(stack: Stack, tmp_path):
+    """`explain` on a real streamed PD request: every hop with a duration in the text, and the PNG written."""
+    import io
+
+    from doctor.cli import main
+
+    rid = new_id("explain")
+    client = openai.OpenAI(base_url=stack.base_url, api_key=stack.api_key, max_retries=0, timeout=60)
+    for _ in client.chat.completions.create(model=MODEL, messages=PROMPT, stream=True, max_tokens=8,
+                                            extra_headers={"X-Request-ID": rid}):
+        pass
+    wait_logged(stack, "router", "router.request_done", rid)
+    wait_logged(stack, "decode", "engine.request_finished", rid)
+    out, png = io.StringIO(), tmp_path / "explain.png"
+    code = main(["explain", rid, "--project", stack.project, "--out", str(png)], stdout=out)
+    text = out.getvalue()
+    assert code == 0, text
+    for hop in ("router queue", "prefill compute", "KV push", "decode first token", "stream", "total"):
+        assert f"  {hop} " in text, text
+    assert png.read_bytes()[:4] == b"\x89PNG"
