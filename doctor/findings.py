@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Iterable
 
+from doctor import stackfacts
 from doctor.environment import Environment
 from doctor.parse import CLIENT, ParseStats, Record
 from doctor.timeline import Timeline, build_timelines
@@ -112,6 +113,11 @@ class Context:
         if len(names) == 1:
             return list(self._by_event.get(names[0], ()))
         return sorted((r for name in names for r in self._by_event.get(name, ())), key=attrgetter("ts"))
+
+    @property
+    def facts(self) -> stackfacts.StackFacts:
+        """The real service/network/file names of the stack (live project, else the shipped compose.yaml)."""
+        return stackfacts.from_docker(self.docker)
 
     def services_seen(self) -> set[str]:
         return {r.service for r in self.records if r.service != CLIENT}
