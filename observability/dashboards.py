@@ -35,7 +35,7 @@ OVERVIEW = (
           "Gaps between relayed token chunks; the SLO line is PD_SLO_TPOT_MS."),
     Panel("E2E latency P50 / P99", "s", (("pd:e2e_seconds:p50", "P50"), ("pd:e2e_seconds:p99", "P99"))),
     Panel("Requests by status", "reqps", (("pd:requests:rate1m", "{{status}}"),), "Client requests per second by HTTP status."),
-    Panel("Goodput", "reqps", (("pd:goodput:rate1m", "meeting SLOs"), ("sum(rate(pd_router_slo_requests_total[1m]))", "all streamed")),
+    Panel("Goodput", "reqps", (("pd:goodput:rate1m", "meeting SLOs"), ("pd:streamed:rate1m", "all streamed")),
           "Streamed requests per second meeting both the TTFT and TPOT SLOs (PD_SLO_TTFT_MS, PD_SLO_TPOT_MS)."),
     Panel("Queue wait (TTFT − prefill)", "s", (("pd:queue_wait_seconds:mean", "TTFT − prefill (mean)"),
                                                ("pd:prefill_seconds:mean", "prefill leg (mean)")),

@@ -74,7 +74,8 @@ def render(data: dict[str, list[Series]], units: dict[str, str], out: Path, titl
         ax.set_title(name, fontsize=11)
         ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
-        ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M"))
+        ax.xaxis.set_major_locator(_time_locator(mdates, series))
+        ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S"))
         if series:
             ax.legend(fontsize=8, loc="upper left")
         else:
@@ -82,6 +83,16 @@ def render(data: dict[str, list[Series]], units: dict[str, str], out: Path, titl
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80)
     plt.close(fig)
+
+
+def _time_locator(mdates, series: list[Series]):
+    """About five ticks on round seconds or minutes (AutoDateLocator repeats labels on short ranges)."""
+    times = [t for s in series for t in s.times]
+    span = (max(times) - min(times)) if times else 60.0
+    step = next((n for n in (5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600) if span / n <= 6), 7200)
+    if step < 60:
+        return mdates.SecondLocator(bysecond=range(0, 60, step))
+    return mdates.MinuteLocator(byminute=range(0, 60, step // 60)) if step < 3600 else mdates.HourLocator()
 
 
 def _scale(unit: str, series: list[Series]) -> tuple[float, str]:

@@ -215,3 +215,16 @@ def test_killing_decode_fires_backend_down(loaded: tuple[Stack, Prometheus]) -> 
 
     alert = prom.wait("PDBackendDown firing for decode", firing, 60)[0]
     assert "decode:8000" in alert["labels"]["backend"]
+
+
+def test_scaled_decode_replicas_are_discovered(loaded: tuple[Stack, Prometheus]) -> None:
+    """`up --scale decode=2`: compose DNS gives Prometheus both replicas as targets, without a config change."""
+    stack, prom = loaded
+    stack.run("up", "--detach", "--wait", "--no-deps", "--no-recreate", "--scale", "decode=2", "decode")
+
+    def two_decodes_up() -> list[str]:
+        targets = [t for t in prom.get("/api/v1/targets")["activeTargets"] if t["labels"]["job"] == "decode" and t["health"] == "up"]
+        return [t["labels"]["instance"] for t in targets] if len(targets) == 2 else []
+
+    instances = prom.wait("two decode targets up", two_decodes_up, 60)
+    assert len(set(instances)) == 2
