@@ -4,7 +4,7 @@
 
 Three dashboards: `pd-overview` (what clients get: latency quantiles, goodput, requests by status, KV
 transfer, P and D utilisation), `pd-engines` (per role: queue, KV cache, tokens, step time; the
-`role` variable picks prefill, decode or both) and `pd-keys` (per-key usage, quota, in flight).
+`role` variable picks prefill, decode, the colocated engine or all) and `pd-keys` (per-key usage, quota, in flight).
 Every panel's PromQL runs unchanged against Prometheus (the integration test does exactly that), with
 `$role` as a regex over job names. Datasource: uid `prometheus` (grafana/provisioning/datasources).
 """
@@ -98,8 +98,8 @@ def dashboard(uid: str, title: str, panels: tuple[Panel, ...]) -> dict:
         })
     templating = []
     if any("$role" in e for p in panels for e, _ in p.targets):
-        templating.append({"name": "role", "label": "Role", "type": "custom", "query": "prefill,decode",
-                           "multi": True, "includeAll": True, "allValue": "prefill|decode",
+        templating.append({"name": "role", "label": "Role", "type": "custom", "query": "prefill,decode,engine",
+                           "multi": True, "includeAll": True, "allValue": "prefill|decode|engine",
                            "current": {"text": "All", "value": "$__all"}})
     return {"uid": uid, "title": title, "tags": ["pd-deploy"], "schemaVersion": 39, "version": 1, "editable": True,
             "time": {"from": "now-30m", "to": "now"}, "refresh": "10s", "timezone": "browser",

@@ -27,7 +27,7 @@ import pytest
 
 from observability import panels
 from observability.dashboards import DASHBOARDS
-from tests.integration.compose_stack import REPO, Stack, free_port, start_stack, unique_project
+from tests.integration.compose_stack import REPO, Stack, free_port, parse_ts, start_stack, unique_project
 
 pytestmark = pytest.mark.integration
 
@@ -35,6 +35,7 @@ FILES = ("compose.yaml", "compose.observability.yaml")
 PROMETHEUS_DIR = REPO / "observability" / "prometheus"
 ALERTS_TEST = REPO / "tests" / "unit" / "observability" / "alerts_test.yml"
 PROMPT = [{"role": "user", "content": "tell me about disaggregated prefill"}]
+ALL_ROLES = "prefill|decode|engine"  # the dashboards' $role "All" value
 
 
 def prometheus_image() -> str:
@@ -50,9 +51,9 @@ def promtool(image: str, *args: str, mounts: dict[Path, str], stdin: str | None 
 def fast_config(src: Path, dst: Path) -> Path:
     """The shipped config with test intervals: 1 s scrape/eval, 2 s DNS refresh, every `for:` 2 s."""
     shutil.copytree(src, dst)
-    main = dst / "prometheus.yml"
-    text = re.sub(r"(scrape|evaluation)_interval: \S+", r"\1_interval: 1s", main.read_text())
-    main.write_text(text.replace("refresh_interval: 10s", "refresh_interval: 2s"))
+    for main in dst.glob("prometheus*.yml"):
+        text = re.sub(r"(scrape|evaluation)_interval: \S+", r"\1_interval: 1s", main.read_text())
+        main.write_text(text.replace("refresh_interval: 10s", "refresh_interval: 2s"))
     for rules in (dst / "rules").glob("*.yml"):
         rules.write_text(re.sub(r"for: \S+", "for: 2s", rules.read_text()))
     dst.chmod(0o755)
@@ -184,7 +185,7 @@ def test_every_dashboard_query_returns_data(loaded: tuple[Stack, Prometheus]) ->
     for uid, (_, panel_list) in DASHBOARDS.items():
         for panel in panel_list:
             for expr, _legend in panel.targets:
-                query = expr.replace("$role", "prefill|decode")
+                query = expr.replace("$role", ALL_ROLES)
                 while not (found := prom.query(query)) and time.monotonic() < deadline:
                     time.sleep(1)
                 if not found:
@@ -228,3 +229,37 @@ def test_scaled_decode_replicas_are_discovered(loaded: tuple[Stack, Prometheus])
 
     instances = prom.wait("two decode targets up", two_decodes_up, 60)
     assert len(set(instances)) == 2
+
+
+def test_colocated_overlay_scrapes_router_and_engine(app_image: None, tmp_path: Path) -> None:
+    """compose.colocated.observability.yaml: Prometheus scrapes router + the one engine (job engine); no role alert fires."""
+    prometheus_image()
+    config = fast_config(PROMETHEUS_DIR, tmp_path / "prometheus")
+    port = free_port()
+    stack = start_stack(unique_project("pdt-obs-colo"), ("compose.colocated.yaml", "compose.colocated.observability.yaml"),
+                        env={"PROMETHEUS_CONFIG_DIR": str(config), "PROMETHEUS_PORT": str(port)})
+    try:
+        prom = Prometheus(f"http://127.0.0.1:{port}")
+        client = openai.OpenAI(base_url=stack.base_url, api_key=stack.api_key, max_retries=0, timeout=60)
+        for _ in range(3):
+            assert sum(1 for _ in client.chat.completions.create(model="your-model-id", messages=PROMPT, max_tokens=8, stream=True)) > 0
+
+        def scraped() -> dict[str, str] | None:
+            targets = {t["labels"]["job"]: t["health"] for t in prom.get("/api/v1/targets")["activeTargets"]}
+            return targets if set(targets) == {"router", "engine", "prometheus"} and set(targets.values()) == {"up"} else None
+
+        prom.wait("router and engine scraped", scraped, 60)
+        scraped_at = time.time()
+        prom.wait("engine utilisation recorded", lambda: prom.query('pd:role_utilisation{job="engine"}'), 30)
+        prom.wait("TTFT P99 recorded", lambda: prom.query("pd:ttft_seconds:p99"), 30)
+
+        def alerts_evaluated_past_for() -> bool:  # a wrongly firing PDRoleNotScraped (for: 2s) would show by then
+            groups = prom.get("/api/v1/rules", type="alert")["groups"]
+            last = next(g["lastEvaluation"] for g in groups if g["name"] == "pd-alerts")
+            return parse_ts(last).timestamp() > scraped_at + 3
+
+        prom.wait("the alert group evaluated 3 s after the targets were up", alerts_evaluated_past_for, 30)
+        alerts = [a["labels"] for a in prom.get("/api/v1/alerts")["alerts"] if a["labels"]["alertname"] == "PDRoleNotScraped"]
+        assert not alerts, alerts
+    finally:
+        stack.stop()

@@ -23,7 +23,7 @@ GRAFANA = REPO / "observability" / "grafana"
 RULES = REPO / "observability" / "prometheus" / "rules"
 FILES = sorted((GRAFANA / "dashboards").glob("*.json"))
 PROMQL_WORDS = {"sum", "by", "rate", "increase", "delta", "histogram_quantile", "max", "min", "avg", "on", "or", "vector",
-                "clamp_min", "scalar", "absent", "label_replace", "count", "up", "le", "and", "without", "bool"}
+                "clamp_min", "scalar", "absent", "label_replace", "count", "up", "le", "and", "unless", "without", "bool"}
 
 
 def load(path: Path) -> dict:
