@@ -1,14 +1,16 @@
 """The engine's Prometheus metrics: vLLM's names where vLLM has the same thing, `pd_` for the rest.
 
-vLLM's names and labels are those of `vllm/v1/metrics/loggers.py` (PrometheusStatLogger): every
+vLLM's names and labels are those of `vllm/v1/metrics/loggers.py` (PrometheusStatLogger, read at
+vllm-project/vllm 005a810 and a6f0308; the newer ITL / per-request TPOT names as vLLM dashboards use them): every
 series carries `model_name` (the served model id) and `engine` ("0": one engine core per process),
 counters end in `_total` (prometheus-client adds it to `vllm:prompt_tokens`), and
 `vllm:request_success_total` has `finished_reason`. So a dashboard written for vLLM reads ours:
 
   vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc     (gauges)
   vllm:prompt_tokens_total, vllm:generation_tokens_total, vllm:request_success_total   (counters)
-  vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
-  vllm:time_per_output_token_seconds, vllm:e2e_request_latency_seconds,
+  vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds (and its older name
+  vllm:time_per_output_token_seconds: the same per-token gaps), vllm:request_time_per_output_token_seconds,
+  vllm:e2e_request_latency_seconds,
   vllm:request_queue_time_seconds, vllm:request_prefill_time_seconds,
   vllm:request_decode_time_seconds, vllm:iteration_tokens_total                        (histograms)
 
@@ -53,7 +55,10 @@ class EngineMetrics:
         self.request_success = Counter("vllm:request_success_total", "Count of processed requests by finished_reason.", c)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS, c)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", TPOT_BUCKETS, c)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds (per request).", TPOT_BUCKETS, c)
+        # vLLM fed `time_per_output_token_seconds` with every inter-token gap, then renamed it inter_token_latency
+        # and kept the old name beside it; the per-request TPOT is `request_time_per_output_token_seconds`.
+        self.itl_old = Histogram("vllm:time_per_output_token_seconds", "Inter-token latency (vLLM's older name for it).", TPOT_BUCKETS, c)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Histogram of time per output token per request in seconds.", TPOT_BUCKETS, c)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_BUCKETS, c)
         self.queue = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", REQUEST_BUCKETS, c)
         self.prefill = Histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", REQUEST_BUCKETS, c)
@@ -96,6 +101,7 @@ class EngineMetrics:
             self.ttft.observe(now - seq.arrival)
         else:
             self.itl.observe(now - seq.last_token_at)
+            self.itl_old.observe(now - seq.last_token_at)
 
     def on_finish(self, seq: Sequence, reason: str, now: float) -> None:
         self.request_success.inc(finished_reason=reason)
@@ -141,7 +147,7 @@ class EngineMetrics:
 
     def render(self) -> tuple[str, str]:
         parts: list[str] = []
-        for metric in (self.prompt_tokens, self.generation_tokens, self.request_success, self.ttft, self.itl, self.tpot,
+        for metric in (self.prompt_tokens, self.generation_tokens, self.request_success, self.ttft, self.itl, self.itl_old, self.tpot,
                        self.e2e, self.queue, self.prefill, self.decode, self.iteration_tokens, self.busy, self.steps,
                        self.kv_bytes, self.kv_seconds, self.kv_failures):
             parts.extend(metric.render())

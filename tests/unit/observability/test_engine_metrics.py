@@ -62,7 +62,8 @@ async def test_a_pd_request_shows_on_both_engines_under_vllm_names(engine) -> No
     assert value(p, "pd_kv_transfer_seconds_count", side="send") == 1 and value(d, "pd_kv_transfer_seconds_count", side="receive") == 1
     assert value(d, "vllm:generation_tokens_total") == 6  # the first token (from prefill) is emitted by decode too
     assert value(d, "vllm:time_to_first_token_seconds_count") == 1
-    assert value(d, "vllm:inter_token_latency_seconds_count") == 5
+    assert value(d, "vllm:inter_token_latency_seconds_count") == 5 == value(d, "vllm:time_per_output_token_seconds_count")
+    assert value(d, "vllm:request_time_per_output_token_seconds_count") == 1
     assert value(d, "vllm:request_success_total", finished_reason="length") == 1
     assert value(d, "vllm:num_requests_running") == 0 and value(d, "vllm:kv_cache_usage_perc") == 0
     assert value(d, "pd_kv_receive_buffer_bytes", state="used") == 0
