@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from stack.common.config import ConfigError
 from stack.common.metrics import CONTENT_TYPE, Collector, Counter, GaugeSample, Histogram, render_gauges
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class SLO:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SLO:
+        """PD_SLO_TTFT_MS / PD_SLO_TPOT_MS (ms) over the defaults; ConfigError (one line at start-up) if bad."""
         env = os.environ if env is None else env
         values = {}
         for field, var in (("ttft_s", "PD_SLO_TTFT_MS"), ("tpot_s", "PD_SLO_TPOT_MS")):
@@ -53,9 +55,9 @@ class SLO:
                 try:
                     ms = float(text)
                 except ValueError:
-                    raise ValueError(f"{var} must be a number of milliseconds, got {text!r}") from None
-                if ms <= 0:
-                    raise ValueError(f"{var} must be > 0 ms, got {text!r}")
+                    raise ConfigError("environment", var, f"must be a number of milliseconds, got {text!r}") from None
+                if not ms > 0:
+                    raise ConfigError("environment", var, f"must be > 0 ms, got {text!r}")
                 values[field] = ms / 1000
         return cls(**values)
 

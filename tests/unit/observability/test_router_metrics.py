@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from stack.common.config import ConfigError
 from stack.router.config import KeyLimits
 from stack.router.auth import Caller
 from stack.router.limits import Limiter
@@ -17,10 +18,10 @@ def test_slo_from_env_reads_milliseconds_and_keeps_defaults() -> None:
     assert SLO.from_env({}) == SLO()
 
 
-@pytest.mark.parametrize("value", ["fast", "0", "-3"])
+@pytest.mark.parametrize("value", ["fast", "0", "-3", "nan"])
 def test_slo_from_env_refuses_a_bad_value_naming_the_variable(value: str) -> None:
-    """A non-number or non-positive SLO stops with a message naming the variable and value."""
-    with pytest.raises(ValueError, match=f"PD_SLO_TPOT_MS must be .*{value}"):
+    """A non-number or non-positive SLO is a ConfigError naming the variable and the value (the router's one-line stop)."""
+    with pytest.raises(ConfigError, match=f"environment: PD_SLO_TPOT_MS: must be .*'{value}'"):
         SLO.from_env({"PD_SLO_TPOT_MS": value})
 
 
