@@ -28,6 +28,7 @@ from stack.engine.errors import KVTransferError
 from stack.engine.kv_consumer import KVConsumer, ReceivedKV
 from stack.engine.kv_transfer import KVProducer, prompt_hash, split_addr
 from stack.engine.kv_wire import KVHeader
+from stack.engine.metrics import EngineMetrics
 from stack.engine.model import Model
 from stack.engine.protocol import CompletionRequest, KVTransferParams
 from stack.engine.scheduler import Output, PromptKV, Scheduler, Sequence
@@ -51,14 +52,15 @@ class PrefillLeg:
 class KVHandoff:
     """Both legs for one engine; `consumer` is None unless the engine listens on kv_port."""
 
-    def __init__(self, config: EngineConfig, model: Model, scheduler: Scheduler) -> None:
+    def __init__(self, config: EngineConfig, model: Model, scheduler: Scheduler, metrics: EngineMetrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics or scheduler.metrics
         self.model = model
         self.scheduler = scheduler
         kv = config.kv_transfer_config
         self.consumer: KVConsumer | None = None
         if config.is_kv_consumer:
-            self.consumer = KVConsumer(fingerprint=model.fingerprint, buffer_size=kv.buffer_bytes, lease_ms=kv.kv_lease_ms)
+            self.consumer = KVConsumer(fingerprint=model.fingerprint, buffer_size=kv.buffer_bytes, lease_ms=kv.kv_lease_ms, metrics=self.metrics)
         self.producer = KVProducer(io_timeout_s=max(kv.kv_transfer_timeout_ms, 1000) / 1000)
 
     async def start(self) -> None:
@@ -129,7 +131,12 @@ class KVHandoff:
             total_bytes=sum(p.nbytes for p in payload),
             checksums=tuple(kv_wire.checksum(p) for p in payload),
         )
-        await self.producer.push(header, payload, params.decode_kv_addr)
+        try:
+            result = await self.producer.push(header, payload, params.decode_kv_addr)
+        except KVTransferError as err:
+            self.metrics.on_kv_failed("send", err.reason)
+            raise
+        self.metrics.on_kv_sent(result.bytes, result.transfer_ms / 1000)
 
     # -- decode leg ------------------------------------------------------------------------------
 
@@ -167,6 +174,7 @@ class KVHandoff:
             self._check_prompt(received, list(req.prompt_tokens))
             return received
         except KVTransferError as err:
+            self.metrics.on_kv_failed("receive", err.reason)
             if kv.kv_load_failure_policy == "recompute":
                 log_event(events.KV_CONSUMER_RECOMPUTE, f"running the prefill of {len(req.prompt_tokens)} tokens here instead: {err.message}",
                           "WARNING", transfer_id=params.transfer_id, reason=err.reason, prompt_tokens=len(req.prompt_tokens))

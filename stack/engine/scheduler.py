@@ -35,6 +35,7 @@ from loguru import logger
 from stack.common import events
 from stack.common.logging import log_event
 from stack.engine.kv_cache import KVCache, KVPool
+from stack.engine.metrics import EngineMetrics
 from stack.engine.model import Model, Segment, forward
 from stack.engine.protocol import SamplingParams
 from stack.engine.sampling import sample
@@ -81,6 +82,8 @@ class Sequence:
     queued_logged: bool = False
     arrival: float = field(default_factory=time.perf_counter)
     prefill_started: float | None = None
+    first_token_at: float = 0.0  # perf_counter times of its first and latest token (metrics)
+    last_token_at: float = 0.0
     outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
     detok: IncrementalDecoder | None = None
 
@@ -114,7 +117,9 @@ class _Work:
 class Scheduler:
     """Owns the KV pool and the step loop; `submit` or `prefill` sequences, read `seq.outputs`, `cancel` them."""
 
-    def __init__(self, model: Model, pool: KVPool, *, max_num_batched_tokens: int, max_num_seqs: int, chunked_prefill: bool) -> None:
+    def __init__(self, model: Model, pool: KVPool, *, max_num_batched_tokens: int, max_num_seqs: int, chunked_prefill: bool,
+                 metrics: EngineMetrics | None = None) -> None:
+        self.metrics = metrics or EngineMetrics()
         self.model = model
         self.pool = pool
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -228,7 +233,10 @@ class Scheduler:
                 await self._wake.wait()
                 continue
             try:
+                started = time.perf_counter()
                 tokens = await loop.run_in_executor(self._executor, self._execute, work)
+                self.metrics.on_step(sum(len(w.segment.tokens) for w in work if w.seq.prefilling), sum(not w.seq.prefilling for w in work),
+                                     time.perf_counter() - started)
             except Exception:  # a bug in the forward: fail this batch, keep serving
                 logger.bind(event=events.ENGINE_STEP_FAILED, sequences=len(work)).opt(exception=True).error(
                     "engine step failed; its sequences end with an error")
@@ -314,6 +322,7 @@ class Scheduler:
             if seq.prefilling:
                 seq.num_computed += len(item.segment.tokens)
                 if not seq.prefilling:
+                    self.metrics.on_prefill_done(seq, time.perf_counter())
                     self._log_prefill_done(seq)
             if token is not None and not seq.cancelled:
                 self._append_token(seq, token)
@@ -340,6 +349,9 @@ class Scheduler:
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.output.append(token)
+        now = time.perf_counter()
+        self.metrics.on_token(seq, now)
+        seq.first_token_at, seq.last_token_at = seq.first_token_at or now, now
         if len(seq.output) == 1:
             log_event(events.ENGINE_FIRST_TOKEN, "first token", request_id=seq.request_id,
                       ttft_ms=round((time.perf_counter() - seq.arrival) * 1000, 2))
@@ -378,6 +390,7 @@ class Scheduler:
             self.pool.free(seq.cache)  # a finished `prefill` keeps it until Prefilled.release
             seq.cache = None
         self._drop_start_kv(seq)
+        self.metrics.on_finish(seq, reason, time.perf_counter())
         seq.outputs.put_nowait(Output(tail, len(seq.output), reason))
         if reason in ("stop", "length"):
             log_event(events.ENGINE_REQUEST_FINISHED, f"finished ({reason}) after {len(seq.output)} tokens", request_id=seq.request_id,

@@ -29,6 +29,7 @@ from stack.engine.config import EngineConfig
 from stack.engine.errors import CacheCapacityError, KVTransferError
 from stack.engine.handoff import KVHandoff, pd_leg
 from stack.engine.kv_cache import KVPool
+from stack.engine.metrics import EngineMetrics
 from stack.engine.model import Model
 from stack.engine.protocol import CompletionRequest, Kind, ResponseIds
 from stack.engine.scheduler import Output, Scheduler, Sequence
@@ -56,9 +57,11 @@ ENGINE = web.AppKey("engine", Engine)
 def create_app(config: EngineConfig, model: Model) -> web.Application:
     max_model_len = min(config.max_model_len or model.config.max_seq_len, model.config.max_seq_len)
     pool = KVPool(model.config, config.pool_bytes, config.block_size)
+    metrics = EngineMetrics(config.model)
     scheduler = Scheduler(model, pool, max_num_batched_tokens=config.max_num_batched_tokens,
-                          max_num_seqs=config.max_num_seqs, chunked_prefill=config.chunked_prefill)
-    engine = Engine(config, model, scheduler, KVHandoff(config, model, scheduler), max_model_len, int(time.time()))
+                          max_num_seqs=config.max_num_seqs, chunked_prefill=config.chunked_prefill, metrics=metrics)
+    engine = Engine(config, model, scheduler, KVHandoff(config, model, scheduler, metrics), max_model_len, int(time.time()))
+    metrics.watch(scheduler, engine.handoff.consumer)
 
     app = web.Application(middlewares=[request_id_middleware, error_middleware()], client_max_size=16 * 1024 * 1024)
     app[ENGINE] = engine
@@ -68,6 +71,7 @@ def create_app(config: EngineConfig, model: Model) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_text)
     return app
 
 
@@ -119,6 +123,12 @@ async def health(request: web.Request) -> web.Response:
     body = {"status": "ok" if engine.ready else "starting", "role": engine.config.role, "model": engine.config.model,
             "fingerprint": engine.model.fingerprint, **engine.scheduler.load(), **engine.handoff.health()}
     return web.json_response(body, status=200 if engine.ready else 503)
+
+
+async def metrics_text(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text (vLLM's names where vLLM has the metric; stack/engine/metrics.py)."""
+    body, content_type = request.app[ENGINE].scheduler.metrics.render()
+    return web.Response(body=body.encode(), headers={"Content-Type": content_type})
 
 
 class _ClientGone(Exception):

@@ -127,6 +127,7 @@ def create_app(config: RouterConfig, env: Mapping[str, str] | None = None) -> we
     app[USAGE] = _open_usage(config)
     app[LIMITER] = Limiter(app[USAGE])
     app[METRICS] = Metrics()
+    app[METRICS].add_key_gauges(app[KEYRING].callers, app[USAGE], app[LIMITER])
     if config.p2pnccl.registry_port:  # vLLM P2pNccl engines: the pools are whoever registers, not the configured endpoints
         app[REGISTRY] = _open_registry(config)
     app.cleanup_ctx.append(_lifecycle)

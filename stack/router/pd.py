@@ -117,6 +117,7 @@ class _Tally:
     def __init__(self, metrics: Metrics, started: float) -> None:
         self.metrics = metrics
         self.last = started
+        self.first = started  # when the first token chunk arrived
         self.tokens = 0
         self.finished = False
         self.usage: dict[str, Any] | None = None
@@ -128,6 +129,8 @@ class _Tally:
             if choices:
                 if self.tokens:
                     self.metrics.itl.observe(now - self.last)
+                else:
+                    self.first = now
                 self.tokens += 1
                 self.last = now
                 self.finished = self.finished or bool(choices[0].get("finish_reason"))
@@ -371,6 +374,7 @@ class PDClient:
                 yield [{"id": leg.first.get("id", ""), "object": leg.first.get("object", "chat.completion.chunk"),
                         "created": leg.first.get("created", 0), "model": leg.first.get("model", ""), "choices": [], "usage": usage}]
             self._succeeded(decode)
+            self.metrics.observe_stream(tally.first - job.started, tally.last - tally.first, tally.tokens)  # TPOT, goodput
         except (GeneratorExit, asyncio.CancelledError):
             log_event(events.ROUTER_CLIENT_DISCONNECTED, "client went away; upstream decode cancelled", "WARNING",
                       request_id=job.request_id, decode=decode.url, chunks_relayed=tally.tokens)

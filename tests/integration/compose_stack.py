@@ -45,6 +45,7 @@ STACK_VARIABLES = (
     "ROUTER_PORT", "PD_CHECKPOINT", "PD_CHECKPOINT_DIR", "PREFILL_CPUS", "DECODE_CPUS", "ENGINE_CPUS",
     "ROUTER_CPUS", "HEALTHCHECK_INTERVAL", "COMPOSE_PROJECT_NAME", "COMPOSE_FILE", "COMPOSE_PROFILES",
     "PD_ENV_FILE",  # the stack's env file names itself (write_env_file)
+    "PROMETHEUS_PORT", "PROMETHEUS_CONFIG_DIR",  # compose.observability.yaml
 )
 
 
