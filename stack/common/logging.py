@@ -75,7 +75,8 @@ _secrets: set[str] = set()
 # `Bearer <token>` and OpenAI/Anthropic-style `sk-…` keys, wherever they appear in a line.
 # The token class stops at quotes, commas and backslashes so that redacting a serialized JSON line
 # (once per line, not per field: logging is on every request's hot path) keeps it valid JSON.
-_TOKEN_PATTERN = re.compile(r"(Bearer\s+)[^\s\"',\\]+|\bsk-[A-Za-z0-9_\-]{6,}")
+# A placeholder after `Bearer ` (`<key>`, `[REDACTED]`, `…`) is a hint, not a token, and stays readable; so do backticks.
+_TOKEN_PATTERN = re.compile(r"(Bearer\s+)(?![<\[{…`])[^\s\"',\\`]+|\bsk-[A-Za-z0-9_\-]{6,}")
 
 
 def register_secret(value: str) -> None:
@@ -130,6 +131,14 @@ def _write_record(message: Any) -> None:
     _write(record["level"].name, event, request_id, record["message"], extra)
 
 
+def _is_client_garbage(record: logging.LogRecord) -> bool:
+    """aiohttp's "Error handling request" for bytes that are not HTTP (HttpProcessingError: bad method, line, header)."""
+    from aiohttp.http_exceptions import HttpProcessingError
+
+    exc = record.exc_info[1] if record.exc_info else None
+    return isinstance(exc, HttpProcessingError)
+
+
 class _InterceptHandler(logging.Handler):
     """Send stdlib logging (aiohttp, grpc, asyncio) through loguru so every line is JSON."""
 
@@ -138,6 +147,9 @@ class _InterceptHandler(logging.Handler):
             level: str | int = logger.level(record.levelname).name
         except ValueError:
             level = record.levelno
+        if record.name == "aiohttp.server" and _is_client_garbage(record):
+            level = "WARNING"  # HTTP-parser garbage, port scans, TLS on a plain port: the client's mistake, not a fault
+            record.exc_info = (record.exc_info[0], record.exc_info[1], None) if record.exc_info else None
         logger.bind(logger=record.name).opt(exception=record.exc_info).log(level, record.getMessage())
 
 

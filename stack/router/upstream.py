@@ -35,16 +35,40 @@ _JSON_HEADERS = {"Content-Type": "application/json"}
 class LegFailed(Exception):
     """One upstream leg failed; `error` is what the client gets if this is the last attempt."""
 
-    def __init__(self, error: APIError, *, retryable: bool, status: int | None = None, unreachable: bool = False) -> None:
+    def __init__(self, error: APIError, *, retryable: bool, status: int | None = None, unreachable: bool = False,
+                 code: str | None = None) -> None:
         super().__init__(error.message)
         self.error = error
         self.retryable = retryable
         self.status = status
-        self.unreachable = unreachable  # never connected: the backend is down, not just failing
+        self.unreachable = unreachable  # connect refused, DNS failure, reset: the backend is down, not just failing
+        self.code = code  # the engine's own error code, when it answered one
+
+    @property
+    def blames_decode(self) -> bool:
+        """A prefill leg that failed because its KV push to decode failed (the engine's `kv_*` codes, not a timeout
+        waiting for KV): the decode is at fault, so the pair is re-picked and this decode is not tried again."""
+        return bool(self.code) and self.code.startswith("kv_") and self.code not in ("kv_not_a_producer", "kv_prompt_mismatch")
+
+    @property
+    def decode_unreachable(self) -> bool:
+        """The prefill could not even connect to (or resolve) the decode's KV address."""
+        return self.code == "kv_connect_failed"
 
 
 def _role_name(backend: Backend) -> str:
     return "engine" if backend.role == "both" else f"{backend.role} engine"
+
+
+def engine_code(text: str) -> str | None:
+    """The `error.code` inside an engine error body (OpenAI shape), if any."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    inner = data.get("error") if isinstance(data, dict) else None
+    code = inner.get("code") if isinstance(inner, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def engine_message(text: str) -> str:
@@ -85,7 +109,9 @@ async def response_failure(backend: Backend, response: aiohttp.ClientResponse) -
         text = f"(body unreadable: {exc!r})"
     log_event(events.ROUTER_UPSTREAM_ERROR, f"{backend.role} {backend.url} answered HTTP {response.status}", "WARNING",
               backend=backend.url, role=backend.role, status=response.status, body=text[:2000])
-    return status_failure(backend, response.status, engine_message(text))
+    failure = status_failure(backend, response.status, engine_message(text))
+    failure.code = engine_code(text)
+    return failure
 
 
 def exception_failure(backend: Backend, exc: BaseException, phase: str) -> LegFailed:
@@ -96,20 +122,26 @@ def exception_failure(backend: Backend, exc: BaseException, phase: str) -> LegFa
     if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
         return LegFailed(UpstreamTimeout(f"the {name} did not answer in time ({phase})"), retryable=True)
     if isinstance(exc, (aiohttp.ClientError, ConnectionError)):
-        return LegFailed(UpstreamError(f"the {name} broke the connection ({phase}: {type(exc).__name__})"), retryable=True)
+        # A reset or refused socket (ClientOSError, ConnectionResetError) means the engine process is gone: down at once.
+        reset = isinstance(exc, (aiohttp.ClientOSError, ConnectionError, aiohttp.ServerDisconnectedError))
+        return LegFailed(UpstreamError(f"the {name} broke the connection ({phase}: {type(exc).__name__})"), retryable=True,
+                         unreachable=reset)
     if isinstance(exc, ValueError):  # JSON that does not parse, bytes that are not UTF-8
         return LegFailed(UpstreamError(f"the {name} sent an unreadable answer ({phase}: {exc})"), retryable=True)
     raise exc
 
 
-def new_session() -> aiohttp.ClientSession:
+def new_session(internal_key: str | None = None) -> aiohttp.ClientSession:
     """The one upstream session for the app's lifetime, tuned for a relay.
 
     No connection cap (the scheduler's max_concurrent is the limit; aiohttp's default pool of 100
     would make requests wait unseen), keep-alive reuse, no total timeout (legs set their own).
+    `internal_key` (PD_INTERNAL_KEY) goes as `Authorization: Bearer …` on every engine request: legs,
+    /tokenize, /v1/models, KV discovery (stack/common/internal_auth.py).
     """
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=60)
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+    headers = {"Authorization": f"Bearer {internal_key}"} if internal_key else None
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None), headers=headers)
 
 
 def timeout(connect_ms: int, total_ms: int | None = None, read_ms: int | None = None) -> aiohttp.ClientTimeout:

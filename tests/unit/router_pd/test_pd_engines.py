@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -164,7 +165,10 @@ async def test_router_process_cancels_a_non_streamed_request_whose_client_left(e
                                    headers={"Authorization": "Bearer " + "k" * 32, "X-Request-ID": "hangup"})
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(request, 2.0)  # the client gives up long before 1500 tokens
-        cancelled = await wait_for_event(decode, events.ENGINE_REQUEST_CANCELLED, "hangup", timeout_s=15)
+        # The router names the request itself (a client's X-Request-ID is only client_request_id): find its id.
+        received = [json.loads(line) for line in log.read_text().splitlines() if '"router.request_received"' in line]
+        assert len(received) == 1, log.read_text()[-2000:]
+        cancelled = await wait_for_event(decode, events.ENGINE_REQUEST_CANCELLED, received[0]["request_id"], timeout_s=15)
         assert cancelled["kv_blocks_freed"] > 0
     finally:
         router.terminate()
