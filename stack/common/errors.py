@@ -164,14 +164,14 @@ CLIENT_REQUEST_ID = web.RequestKey("client_request_id", str)  # the X-Request-ID
 async def unique_request_id_middleware(request: web.Request,
                                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """The router's: every request gets a fresh id (response ids, logs, the engine legs are named by it), so two
-    requests never share one. A client's X-Request-ID is kept as `client_request_id` (logged on router.request_done)
+    requests never share one. A client's X-Request-ID is kept as `client_request_id` (on every log line of the request)
     and echoed back in X-Client-Request-ID; our id goes back in X-Request-ID."""
     request_id = uuid.uuid4().hex
     client_id = request.headers.get(REQUEST_ID_HEADER, "").strip()[:128]
     request[REQUEST_ID] = request_id
     if client_id:
         request[CLIENT_REQUEST_ID] = client_id
-    with request_context(request_id):
+    with request_context(request_id, client_id or None):
         response = await handler(request)
     if not response.prepared:
         response.headers[REQUEST_ID_HEADER] = request_id

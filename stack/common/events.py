@@ -22,7 +22,9 @@ from typing import Any, Iterable, Mapping
 
 # Who logs an event: its `service` on the line (engine: any engine role, any: every service).
 ROUTER, PREFILL, DECODE, ENGINE, ANY = "router", "prefill", "decode", "engine", "any"
-BASE_KEYS = frozenset({"ts", "level", "service", "event", "request_id", "msg"})
+# client_request_id: on the router's lines of a request whose client sent X-Request-ID (the router names every
+# request itself, so ids are unique; the client's own id is kept beside it: stack.common.errors).
+BASE_KEYS = frozenset({"ts", "level", "service", "event", "request_id", "msg", "client_request_id"})
 
 
 @dataclass(frozen=True, eq=False)  # a field is its constant: compared by identity
@@ -189,7 +191,6 @@ FAILURES = Field("failures", int, 5)
 ZMQ_ADDRESS = Field("zmq_address", str, "10.0.0.5:21001")
 SENDER = Field("sender", str, "b'\\x00k\\x8bEg'", "the ZMQ identity of a sender")
 CLIENT_ASKED = Field("client_asked", bool, True, "the client itself sent stream_options.include_usage")
-CLIENT_REQUEST_ID = Field("client_request_id", str, "my-trace-42", "the X-Request-ID the client sent (kept apart: ids are ours)")
 DEADLINE_MS = Field("deadline_ms", int, 120000, "[scheduler] deadline_ms")
 WORST_CASE_S = Field("worst_case_s", dict, {"first_byte_s": 120.0}, "the request time bounds computed from the settings")
 # Any service: abuse limits and liveness
@@ -333,8 +334,7 @@ ROUTER_UPSTREAM_ERROR = Event("router.upstream_error", ROUTER, "an engine answer
 ROUTER_CLIENT_DISCONNECTED = Event("router.client_disconnected", ROUTER, "the client went away; upstream cancelled",
                                    required=(DECODE_URL, CHUNKS_RELAYED), level="WARNING")
 ROUTER_REQUEST_DONE = Event("router.request_done", ROUTER, "a generation request ended (status as the client saw it)",
-                            required=(API, KEY_NAME, STATUS, ERROR, PROMPT_TOKENS, COMPLETION_TOKENS, E2E_MS),
-                            optional=(CLIENT_REQUEST_ID,))
+                            required=(API, KEY_NAME, STATUS, ERROR, PROMPT_TOKENS, COMPLETION_TOKENS, E2E_MS))
 ROUTER_DEADLINE_EXCEEDED = Event("router.deadline_exceeded", ROUTER,
                                  "no first byte (or non-streamed answer) within [scheduler] deadline_ms (504)",
                                  required=(DEADLINE_MS, STREAM), level="WARNING")

@@ -45,6 +45,7 @@ from stack.common import events
 # The request's id, set by stack.common.errors.request_id_middleware and read by every hop's logs.
 REQUEST_ID = web.RequestKey("request_id", str)
 _request_id: ContextVar[str] = ContextVar("request_id", default="-")
+_client_request_id: ContextVar[str | None] = ContextVar("client_request_id", default=None)  # a client's X-Request-ID (router)
 
 # loguru's level numbers (TRACE and SUCCESS included), so both paths filter alike.
 _LEVELS = {"TRACE": 5, "DEBUG": 10, "INFO": 20, "SUCCESS": 25, "WARNING": 30, "ERROR": 40, "CRITICAL": 50}
@@ -104,6 +105,9 @@ def _write(level: str, event: str, request_id: str, msg: str, fields: dict[str, 
     requests handled in one step leave in one write instead of one syscall each."""
     line = {"ts": _Output.clock().isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": level, "service": _Output.service, "event": event, "request_id": request_id, "msg": msg, **fields}
+    client_id = _client_request_id.get()
+    if client_id is not None:
+        line["client_request_id"] = client_id
     _Output.stream.write(redact(_ENCODER.encode(line)) + "\n")
     try:
         loop = asyncio.get_running_loop()
@@ -171,12 +175,14 @@ def setup_logging(service: str, level: str = "INFO", sink: TextIO | None = None,
 
 
 @contextmanager
-def request_context(request_id: str) -> Iterator[None]:
-    """Lines logged inside (and in tasks started inside) carry `request_id`."""
+def request_context(request_id: str, client_request_id: str | None = None) -> Iterator[None]:
+    """Lines logged inside (and in tasks started inside) carry `request_id`, and `client_request_id` when given."""
     token = _request_id.set(request_id)
+    client_token = _client_request_id.set(client_request_id)
     try:
         yield
     finally:
+        _client_request_id.reset(client_token)
         _request_id.reset(token)
 
 

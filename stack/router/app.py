@@ -24,7 +24,7 @@ from stack.common import events
 from stack.common.config import ConfigError
 from stack.common import internal_auth, safe_json
 from stack.common.errors import (
-    CLIENT_REQUEST_ID, APIError, PayloadTooLarge, RequestTimeout, UnsupportedMediaType, echo_client_request_id,
+    APIError, PayloadTooLarge, RequestTimeout, UnsupportedMediaType, echo_client_request_id,
     error_middleware, openai_error_body, unique_request_id_middleware,
 )
 from stack.common.logging import log_event
@@ -126,8 +126,7 @@ def _request_done(request: web.Request, api: str, caller: Caller, status: int, e
     failed = status >= 400 or STREAM_ERROR in request
     log_event(events.ROUTER_REQUEST_DONE, f"{api} request done: {status}", "WARNING" if failed else "INFO",
               api=api, key_name=caller.name, status=status, error=request.get(STREAM_ERROR),
-              prompt_tokens=prompt, completion_tokens=completion, e2e_ms=round(e2e * 1000, 2),
-              **({"client_request_id": request[CLIENT_REQUEST_ID]} if CLIENT_REQUEST_ID in request else {}))
+              prompt_tokens=prompt, completion_tokens=completion, e2e_ms=round(e2e * 1000, 2))
 
 
 async def health(request: web.Request) -> web.Response:

@@ -13,7 +13,7 @@ from tests.unit.router_front.conftest import BACKEND_MODEL, KEY, MODEL, auth, ch
 
 async def test_request_id_is_unique_and_the_clients_is_kept_and_echoed(router, engine, logs) -> None:
     """Every request gets its own id (engine legs, logs, X-Request-ID); a client's X-Request-ID is echoed in
-    X-Client-Request-ID and logged as client_request_id, even when two requests send the same one."""
+    X-Client-Request-ID and logged as client_request_id on its lines, even when two requests send the same one."""
     ids = []
     for _ in range(2):
         response = await router.post("/v1/chat/completions", json=chat_body(), headers={**auth(), "X-Request-ID": "trace-42"})
@@ -27,7 +27,7 @@ async def test_request_id_is_unique_and_the_clients_is_kept_and_echoed(router, e
     assert len(set(ids)) == 3 and "trace-42" not in ids
     done = [e for e in log_events(logs) if e["event"] == "router.request_done"]
     assert [e["request_id"] for e in done] == ids
-    assert [e["client_request_id"] for e in done] == ["trace-42", "trace-42", "trace-43"]
+    assert [e["client_request_id"] for e in done] == ["trace-42", "trace-42", "trace-43"]  # on every line of the request
 
 
 async def test_engine_gets_the_backend_model_and_only_supported_fields(router, engine) -> None:
