@@ -62,6 +62,7 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     api = _GENERATION.get(request.path)
     if api is None:
         request[CALLER] = keyring.authenticate(request.headers)
+        await _read_body(request)
         return await handler(request)
     limiter = request.app[LIMITER]
     started = time.perf_counter()
