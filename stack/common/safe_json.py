@@ -26,6 +26,8 @@ _LONG_NUMBER = re.compile(rb"[-+0-9.eE]{%d,}" % (MAX_NUMBER_CHARS + 1))
 # \ud800-\udbff not followed by \udc00-\udfff, or \udc00-\udfff not preceded by a high one.
 _LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
                              rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+# The same surrogates sent raw: UTF-8 forbids encoding them, but json.loads(bytes) decodes with surrogatepass.
+_RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 _OPEN = np.zeros(256, dtype=np.int8)
 _OPEN[[ord("["), ord("{")]] = 1
 _OPEN[[ord("]"), ord("}")]] = -1
@@ -41,7 +43,7 @@ def max_depth(structure: bytes) -> int:
 
 def check_body(raw: bytes) -> None:
     """Raise InvalidRequest (code invalid_json) if `raw` breaks a limit above; the JSON itself is parsed later."""
-    if b"\\u" in raw and _LONE_SURROGATE.search(raw):
+    if b"\\u" in raw and _LONE_SURROGATE.search(raw) or _RAW_SURROGATE.search(raw):
         raise InvalidRequest("Request body contains a lone UTF-16 surrogate escape (like \\ud800 without its pair); "
                              "send valid Unicode.", code="invalid_json")
     structure = _STRING.sub(b'""', raw)

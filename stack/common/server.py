@@ -96,8 +96,10 @@ async def serve(
     # handler_cancellation: a client that disconnects cancels its handler, so a non-streamed request
     # stops its upstream work too (the router's PD legs, the engine's sequence). aiohttp's TestServer,
     # which the in-process tests use, does the same.
+    # auto_decompress=False: a Content-Encoding body reaches the app as sent, so the router answers 415 in its API's
+    # shape (aiohttp would otherwise fail to decode it in its parser: a plain-text 400, or an ERROR after the answer).
     runner = web.AppRunner(app, access_log_class=AccessLogger, shutdown_timeout=shutdown_timeout, handler_cancellation=True,
-                           keepalive_timeout=header_timeout_s)
+                           keepalive_timeout=header_timeout_s, auto_decompress=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -29,7 +29,7 @@ from stack.common.errors import (
 )
 from stack.common.logging import log_event
 from stack.router.api import anthropic, openai, responses
-from stack.router.appkeys import CALLER, CONFIG, KEYRING, LIMITER, METRICS, PD, REGISTRY, STREAM_ERROR, TOKENS, USAGE
+from stack.router.appkeys import CALLER, CONFIG, INTERNAL_KEY, KEYRING, LIMITER, METRICS, PD, REGISTRY, STREAM_ERROR, TOKENS, USAGE
 from stack.router.auth import Caller, KeyRing
 from stack.router.config import RouterConfig, UsageConfig, load_keys_file
 from stack.router.limits import Limiter
@@ -166,6 +166,7 @@ def create_app(config: RouterConfig, env: Mapping[str, str] | None = None) -> we
     app.on_response_prepare.append(echo_client_request_id)
     app[CONFIG] = config
     app[KEYRING] = KeyRing.from_environment(config, load_keys_file(config), env)
+    app[INTERNAL_KEY] = internal_auth.internal_key(env) or ""
     app[USAGE] = _open_usage(config)
     app[LIMITER] = Limiter(app[USAGE])
     app[METRICS] = Metrics()
@@ -212,7 +213,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     bounds = worst_case_s(config.scheduler)
     log_event(events.ROUTER_BOUNDS, f"a request ends within {bounds['first_byte_s']:g}s to its first byte, "
               f"{bounds['non_streamed_s']:g}s non-streamed, {bounds['stream_s']:g}s streamed", worst_case_s=bounds)
-    async with new_session(internal_auth.internal_key()) as session:
+    async with new_session(app[INTERNAL_KEY] or None) as session:
         registry = app.get(REGISTRY)
         pd = PDClient(config, session, app[METRICS])
         app[PD] = pd

@@ -15,7 +15,7 @@ import pytest
 from stack.common import events
 from stack.common.errors import InvalidRequest, Overloaded, UpstreamError
 from stack.common.health import SERVING, probe_async
-from tests.unit.router_pd.conftest import REPO, free_port, relay_app, router_settings, wait_for_state
+from tests.unit.router_pd.conftest import INTERNAL_KEY, REPO, free_port, relay_app, router_settings, wait_for_state
 from tests.unit.router_pd.fake_engine import chunk_text
 
 MODEL = "your-model-id"
@@ -153,7 +153,8 @@ async def test_router_process_cancels_a_non_streamed_request_whose_client_left(e
                                server=f"port = {port}\nhealth_port = {health_port}")
     log = tmp_path / "router.log"
     router = subprocess.Popen([sys.executable, "-m", "stack.router", "--config", str(settings)], cwd=REPO,
-                              env={**os.environ, "PD_TEST_KEY": "k" * 32}, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+                              env={**os.environ, "PD_TEST_KEY": "k" * 32, "PD_INTERNAL_KEY": INTERNAL_KEY}, stdout=log.open("wb"),
+                              stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30  # upper bound: router start on a busy 2-core box
         while await probe_async(f"127.0.0.1:{health_port}", 1.0) != SERVING:
