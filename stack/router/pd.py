@@ -271,14 +271,15 @@ class PDClient:
                                          self._timeouts["prefill"])
             except LegFailed as failure:
                 if failure.blames_decode:
-                    # The prefill could not push its KV to this decode: the decode is at fault, not the prefill. Never
-                    # retry the prefill leg against it: _run marks it (down at once if unreachable) and re-picks the pair.
+                    # The prefill could not push its KV to this decode: the decode (or the KV path to it) is at fault,
+                    # not the prefill. Never retry the prefill leg against it: _run re-picks the pair without it, and its
+                    # breaker counts the failure. It is not marked down: the router's own path to it may be fine (a cut
+                    # KV network); a dead decode is found by the router's legs and probes (refused: down at once).
                     self._succeeded(prefill)
                     log_event(events.ROUTER_PREFILL_FAILED, f"prefill {prefill.url} could not hand KV to decode {decode.url}: "
                               f"{failure.error.message}", "WARNING", request_id=job.request_id, prefill=prefill.url,
                               status=failure.status, error=failure.error.message, attempt=tries, retried=False)
-                    self._failed(decode, LegFailed(failure.error, retryable=True, status=failure.status,
-                                                   unreachable=failure.decode_unreachable, code=failure.code))
+                    self._failed(decode, LegFailed(failure.error, retryable=True, status=failure.status, code=failure.code))
                     raise
                 self._failed(prefill, failure)
                 retried = failure.retryable and tries <= self.settings.max_retries

@@ -50,10 +50,6 @@ class LegFailed(Exception):
         waiting for KV): the decode is at fault, so the pair is re-picked and this decode is not tried again."""
         return bool(self.code) and self.code.startswith("kv_") and self.code not in ("kv_not_a_producer", "kv_prompt_mismatch")
 
-    @property
-    def decode_unreachable(self) -> bool:
-        """The prefill could not even connect to (or resolve) the decode's KV address."""
-        return self.code == "kv_connect_failed"
 
 
 def _role_name(backend: Backend) -> str:

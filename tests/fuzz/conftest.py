@@ -25,6 +25,7 @@ from tests.unit.router_pd.conftest import INTERNAL_KEY, REPO, EngineProcess, fre
 
 KEY = "pd-fuzz-key-" + "f" * 24
 MODEL = "your-model-id"
+HEADER_TIMEOUT_MS = BODY_TIMEOUT_MS = 2000  # short, so the slow-client tests take seconds
 SEED = int(os.environ.get("PD_FUZZ_SEED") or random.SystemRandom().randrange(2**32))
 
 
@@ -55,7 +56,8 @@ def target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
     try:
         asyncio.run(_ready(engines))
         port, health_port = free_port(), free_port()
-        settings = router_settings(tmp, "router", engines[0], engines[1], MODEL, server=f"port = {port}\nhealth_port = {health_port}")
+        settings = router_settings(tmp, "router", engines[0], engines[1], MODEL, server=f"port = {port}\nhealth_port = {health_port}\n"
+                                   f"header_timeout_ms = {HEADER_TIMEOUT_MS}\nbody_timeout_ms = {BODY_TIMEOUT_MS}")
         log = tmp / "router.log"
         router = subprocess.Popen([sys.executable, "-m", "stack.router", "--config", str(settings)], cwd=REPO,
                                   env={**os.environ, "PD_TEST_KEY": KEY, "PD_INTERNAL_KEY": INTERNAL_KEY},

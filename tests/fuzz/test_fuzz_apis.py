@@ -9,14 +9,17 @@ the header and on failure; replay with PD_FUZZ_SEED=<seed>).
 from __future__ import annotations
 
 import json
+import socket
+import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import requests
 from hypothesis import HealthCheck, assume, example, given, seed, settings
 from hypothesis import strategies as st
 
-from tests.fuzz.conftest import KEY, MODEL, SEED, Target
+from tests.fuzz.conftest import BODY_TIMEOUT_MS, HEADER_TIMEOUT_MS, KEY, MODEL, SEED, Target
 
 pytestmark = pytest.mark.fuzz
 
@@ -154,6 +157,67 @@ def test_known_5xx_inputs(target: Target, path: str, body: dict[str, Any]) -> No
     response = post(target, path, json.dumps(body).encode())
     KNOWN_REQUEST_IDS.add(response.headers.get("X-Request-ID", ""))
     check(response, path, body)
+
+
+def _connect(target: Target) -> socket.socket:
+    parts = urlsplit(target.url)
+    return socket.create_connection((parts.hostname, parts.port), timeout=30)
+
+
+def _closed_after(sock: socket.socket) -> tuple[float, bytes]:
+    """Seconds until the server answers or closes, and what it sent."""
+    started, data = time.monotonic(), b""
+    while True:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return time.monotonic() - started, data
+        data += chunk
+
+
+def test_slowloris_and_idle_connections_are_closed_after_the_header_timeout(target: Target) -> None:
+    """A head sent a byte at a time, and a connection that sends nothing, are both closed ~header_timeout_ms after
+    connecting; a slow client cannot hold sockets forever."""
+    idle = _connect(target)
+    slow = _connect(target)
+    started = time.monotonic()
+    for byte in b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ":
+        try:
+            slow.send(bytes([byte]))
+        except OSError:
+            break  # closed by the server: what we want
+        if time.monotonic() - started > 3 * HEADER_TIMEOUT_MS / 1000:
+            break
+        time.sleep(0.1)
+    slow.settimeout(30)
+    elapsed, _ = _closed_after(slow)
+    idle_elapsed, _ = _closed_after(idle)
+    # Lower bound: the timeout really waited; upper bound: closed well before a client could pile sockets up.
+    assert HEADER_TIMEOUT_MS / 1000 * 0.8 <= time.monotonic() - started < HEADER_TIMEOUT_MS / 1000 + 10
+    assert idle_elapsed + elapsed < 2 * (HEADER_TIMEOUT_MS / 1000 + 10)
+    idle.close()
+    slow.close()
+
+
+def test_a_body_that_never_arrives_is_408_and_never_holds_a_slot(target: Target) -> None:
+    """Content-Length 1000 announced, 8 bytes sent: 408 after body_timeout_ms, and the key never had it in flight."""
+    socks = []
+    for _ in range(5):
+        sock = _connect(target)
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\"".encode())
+        socks.append(sock)
+    usage = target.session.get(target.url + "/v1/usage", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert usage["in_flight"] == 0
+    started = time.monotonic()
+    for sock in socks:
+        head = sock.recv(64)
+        answered = time.monotonic() - started
+        assert head.startswith(b"HTTP/1.1 408"), head
+        # Upper bound: the body timeout plus slack for a loaded host (aiohttp then lingers ≤ 10 s reading the rest).
+        assert answered < BODY_TIMEOUT_MS / 1000 + 5
+        sock.close()
+    usage = target.session.get(target.url + "/v1/usage", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert usage["in_flight"] == 0
 
 
 def test_zz_a_good_request_is_served_after_the_fuzz_and_nothing_logged_an_error(target: Target) -> None:

@@ -18,8 +18,8 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_t
 
 
 async def test_a_kv_push_that_fails_re_picks_the_pair_and_never_retries_prefill_on_that_decode(fake, pd, logs):
-    """Prefill cannot push KV to decode A (502 kv_connect_failed): A is marked down at once, the next attempt is a new
-    pair on decode B, and no prefill leg ever goes to A again; the client gets its answer."""
+    """Prefill cannot push KV to decode A (502 kv_connect_failed): the next attempt is a new pair on decode B, no
+    prefill leg goes to A again, A's breaker counts the failure; the client gets its answer."""
     prefill = await fake("prefill", faults=Faults(kv_push_failed=1))
     dead, alive = await fake("decode"), await fake("decode")
     client = await pd([prefill], [dead, alive], policy="round_robin", health_interval_ms=60_000)
@@ -28,7 +28,7 @@ async def test_a_kv_push_that_fails_re_picks_the_pair_and_never_retries_prefill_
     pairs = [e["decode"] for e in logs.events(events.ROUTER_SCHEDULED)]
     assert pairs == [dead.url, alive.url] and len(prefill.seen) == 2  # one prefill leg per decode: A once, then B
     assert dead.seen == [] and len(alive.seen) == 1
-    assert not backend(client, dead.url).up  # down at once, not after breaker_failures
+    assert backend(client, dead.url).breaker.failures == 1  # not marked down: the router's own path to it may be fine
     [failed] = logs.events(events.ROUTER_PREFILL_FAILED)
     assert failed["retried"] is False and "decode_kv_addr" in failed["error"]
     assert backend(client, prefill.url).breaker.state == "closed"  # the prefill did its part
