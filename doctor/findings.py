@@ -44,6 +44,9 @@ def finding(id: str, severity: str, title: str, cause: str, fix: str,
     """Build a Finding from records: evidence in hop order (router → prefill → decode), deduplicated."""
     seen: set[str] = set()
     chosen: list[Record] = []
+    records = list(records)
+    # The X-Request-ID a client sent is named too (the router logs it as client_request_id beside its own id).
+    request_ids = [*request_ids, *(r.data.get("client_request_id") for r in records if isinstance(r.data.get("client_request_id"), str))]
     for r in sorted(records, key=lambda r: (r.hop, r.ts)):
         if r.line not in seen:
             seen.add(r.line)
