@@ -44,9 +44,10 @@ def finding(id: str, severity: str, title: str, cause: str, fix: str,
     """Build a Finding from records: evidence in hop order (router → prefill → decode), deduplicated."""
     seen: set[str] = set()
     chosen: list[Record] = []
-    records = list(records)
-    # The X-Request-ID a client sent is named too (the router logs it as client_request_id beside its own id).
-    request_ids = [*request_ids, *(r.data.get("client_request_id") for r in records if isinstance(r.data.get("client_request_id"), str))]
+    records, request_ids = list(records), list(request_ids)
+    # The X-Request-ID a client sent is named too, after the router's id (its lines carry it as client_request_id).
+    client = {r.request_id: r.data["client_request_id"] for r in records if isinstance(r.data.get("client_request_id"), str)}
+    request_ids = [*request_ids, *(client[i] for i in request_ids if i in client)]
     for r in sorted(records, key=lambda r: (r.hop, r.ts)):
         if r.line not in seen:
             seen.add(r.line)

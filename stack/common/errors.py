@@ -190,10 +190,11 @@ async def echo_client_request_id(request: web.Request, response: web.StreamRespo
 
 @web.middleware
 async def request_id_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """The engines': accept X-Request-ID (the router names each leg; or mint one), log under it, and echo it back."""
+    """The engines': accept X-Request-ID (the router names each leg; or mint one), log under it, and echo it back.
+    X-Client-Request-ID (the router passes on its client's own id) goes on the lines as client_request_id."""
     request_id = request.headers.get(REQUEST_ID_HEADER, "").strip()[:128] or uuid.uuid4().hex
     request[REQUEST_ID] = request_id
-    with request_context(request_id):
+    with request_context(request_id, request.headers.get(CLIENT_REQUEST_ID_HEADER, "").strip()[:128] or None):
         response = await handler(request)
     if not response.prepared:
         response.headers[REQUEST_ID_HEADER] = request_id

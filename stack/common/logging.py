@@ -174,6 +174,11 @@ def setup_logging(service: str, level: str = "INFO", sink: TextIO | None = None,
     logging.getLogger("aiohttp.access").disabled = True  # AccessLogger below replaces it
 
 
+def client_request_id() -> str | None:
+    """The client's own X-Request-ID of the request being handled (None: none sent, or outside a request)."""
+    return _client_request_id.get()
+
+
 @contextmanager
 def request_context(request_id: str, client_request_id: str | None = None) -> Iterator[None]:
     """Lines logged inside (and in tasks started inside) carry `request_id`, and `client_request_id` when given."""

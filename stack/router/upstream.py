@@ -17,6 +17,7 @@ import aiohttp
 
 from stack.common import events
 from stack.common.errors import (
+    CLIENT_REQUEST_ID_HEADER,
     REQUEST_ID_HEADER,
     APIError,
     InvalidRequest,
@@ -26,7 +27,7 @@ from stack.common.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from stack.common.logging import log_event
+from stack.common.logging import client_request_id, log_event
 from stack.router.backends import Backend
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
@@ -146,7 +147,9 @@ def timeout(connect_ms: int, total_ms: int | None = None, read_ms: int | None = 
 
 
 def _headers(request_id: str) -> dict[str, str]:
-    return {**_JSON_HEADERS, REQUEST_ID_HEADER: request_id}
+    """The leg's id, and the client's own X-Request-ID so the engines' lines carry it too (client_request_id)."""
+    client_id = client_request_id()
+    return {**_JSON_HEADERS, REQUEST_ID_HEADER: request_id, **({CLIENT_REQUEST_ID_HEADER: client_id} if client_id else {})}
 
 
 async def post_json(session: aiohttp.ClientSession, backend: Backend, path: str, body: dict[str, Any], request_id: str,
