@@ -311,12 +311,12 @@ def verify(args: argparse.Namespace, stack: Stack | None = None, model: str | No
     for _ in range(10):  # logs reach docker asynchronously; give them a moment
         loaded = sources.load_docker(stack.project, since=sent_at)
         ctx = Context.build(loaded.records, env, loaded.stats, loaded.docker)
-        timeline = ctx.timelines.get(rid)
+        timeline = ctx.timeline(rid)
         if timeline is not None and (timeline.complete or timeline.first(events.ROUTER_REQUEST_DONE)):
             break
         time.sleep(0.5)
     summary = {"project": stack.project, "request_id": rid, "router_url": url, "stream": what}
-    timeline = ctx.timelines.get(rid) if ctx else None
+    timeline = ctx.timeline(rid) if ctx else None
     if done and timeline is not None and timeline.complete:
         if timeline.colocated:
             return [ok("verify", f"verified: request {rid} went router → engine (colocated; no KV transfer): {what}")], summary

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from stack.common import events
+from stack.common import events, internal_auth
 from stack.common.errors import (
     REQUEST_ID, REQUEST_ID_HEADER, APIError, InvalidRequest, Overloaded, ServerError, UpstreamError, UpstreamTimeout,
     error_middleware, openai_error_body, request_id_middleware,
@@ -63,7 +63,7 @@ def create_app(config: EngineConfig, model: Model) -> web.Application:
     engine = Engine(config, model, scheduler, KVHandoff(config, model, scheduler, metrics), max_model_len, int(time.time()))
     metrics.watch(scheduler, engine.handoff.consumer)
 
-    app = web.Application(middlewares=[request_id_middleware, error_middleware()], client_max_size=16 * 1024 * 1024)
+    app = web.Application(middlewares=[request_id_middleware, internal_auth.middleware(), error_middleware()], client_max_size=16 * 1024 * 1024)
     app[ENGINE] = engine
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/chat/completions", chat_completions)
