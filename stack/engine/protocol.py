@@ -183,7 +183,8 @@ def _constraint(req: Request, tokenizer: Tokenizer) -> str | None:
     if choice is not None and choice.mode in ("required", "function"):
         param, source = "tool_choice", lambda: grammar.tool_call_grammar(req.tools, choice.name, req.parallel_tool_calls is not False)
         if not req.tools:
-            raise InvalidRequest(f"Invalid value for 'tool_choice': {choice.mode!r} needs 'tools'.", param="tool_choice")
+            raise InvalidRequest(f"Invalid value for 'tool_choice': {choice.mode!r} needs 'tools'.", param="tool_choice",
+                                 code="invalid_value")
     elif so is not None:
         kind = next(k for k in ("json", "regex", "choice", "grammar") if getattr(so, k) is not None)
         param, source = f"structured_outputs.{kind}", lambda: grammar.grammar_of(kind, getattr(so, kind))
@@ -205,7 +206,8 @@ def _constraint(req: Request, tokenizer: Tokenizer) -> str | None:
 def _check_ids(ids: list[int], vocab: int, param: str) -> None:
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:
-        raise InvalidRequest(f"Invalid value for '{param}': token id {bad[0]} is outside the vocabulary (0..{vocab - 1}).", param=param)
+        raise InvalidRequest(f"Invalid value for '{param}': token id {bad[0]} is outside the vocabulary (0..{vocab - 1}).", param=param,
+                             code="invalid_value")
 
 
 def _sampling(req: Request, prompt_len: int, max_model_len: int, tokenizer: Tokenizer) -> SamplingParams:

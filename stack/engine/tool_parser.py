@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 START, END = "<tool_call>", "</tool_call>"
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')  # {"name": "f", "arguments":
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')  # {"name": "f", "arguments":
 
 
 def tool_call_id() -> str:
@@ -55,14 +55,14 @@ class ToolCallParser:
             if end < 0:
                 self._stream_args(events, self._buf[: len(self._buf) - _partial_suffix(self._buf, END)])
                 return events
-            self._close(events, self._buf[:end])
+            self._close(events, self._buf[:end], END)
             self._buf, self._in_call = self._buf[end + len(END) :], False
 
     def finish(self) -> list[tuple[Any, ...]]:
         """The end of the output: flush held-back text; an unterminated call is closed if its JSON is whole."""
         events: list[tuple[Any, ...]] = []
         if self._in_call:
-            self._close(events, self._buf)
+            self._close(events, self._buf, "")
         else:
             self._content(events, self._buf)
         self._buf, self._in_call = "", False
@@ -86,14 +86,14 @@ class ToolCallParser:
         brace = raw.rfind("}")
         self._emit_args(events, raw[:brace].rstrip() if brace >= 0 else raw)
 
-    def _close(self, events: list[tuple[Any, ...]], body: str) -> None:
+    def _close(self, events: list[tuple[Any, ...]], body: str, end: str) -> None:
         try:
             call = json.loads(body)
         except json.JSONDecodeError:
             call = None
         if not self._named:
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                self._content(events, START + body + END)  # not a tool call after all: vLLM keeps the text
+                self._content(events, START + body + end)  # not a tool call after all: vLLM keeps the text
                 return
             self._open(events, call["name"])
             args = call.get("arguments", {})

@@ -163,7 +163,7 @@ async def test_tokenize_counts_what_a_completion_would_see(engine_client) -> Non
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"}]
     counted = await (await engine.client.post("/tokenize", json={"model": "tiny", "messages": messages})).json()
     answered = await (await engine.client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 1})).json()
-    assert counted["count"] == answered["usage"]["prompt_tokens"] == len(counted["tokens"]) and counted["max_model_len"] == 512
+    assert counted["count"] == answered["usage"]["prompt_tokens"] == len(counted["tokens"]) and counted["max_model_len"] == 32768
     without_prompt = await (await engine.client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False})).json()
     assert without_prompt["count"] < counted["count"]  # the assistant header is not counted
     plain = await (await engine.client.post("/tokenize", json={"prompt": "Once upon a time"})).json()
@@ -185,7 +185,7 @@ async def test_models_and_health(engine_client) -> None:
     await warm_up(engine.client.app)
     warm = await engine.client.get("/health")
 
-    assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 512
+    assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 32768
     assert cold.status == 503 and warm.status == 200
     assert (await warm.json())["kv_free_blocks"] == engine.engine.scheduler.pool.total_blocks
 
@@ -269,7 +269,7 @@ async def test_eos_stops_generation_unless_ignore_eos(engine_client, monkeypatch
     """A sampled end-of-sequence token ends the completion (finish_reason stop); vLLM's ignore_eos runs on to max_tokens."""
     engine = await engine_client()
     eos = engine.engine.model.tokenizer.eos_id
-    monkeypatch.setattr("stack.engine.scheduler.sample", lambda *args: eos)  # the model "wants" to stop at once
+    monkeypatch.setattr("stack.engine.scheduler.sample", lambda *args, **kwargs: eos)  # the model "wants" to stop at once
     response = await engine.client.post("/v1/chat/completions", json=chat(max_tokens=5, ignore_eos=ignore_eos))
 
     body = await response.json()
