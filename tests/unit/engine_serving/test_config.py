@@ -50,7 +50,7 @@ def test_the_articles_prefill_config_parses(tmp_path: Path) -> None:
         ({"kv_transfer_config": {"kv_buffer_size": "lots"}}, "kv_transfer_config.kv_buffer_size", "expected a number"),
         ({"kv_transfer_config": {"kv_role": "kv_consumer"}}, "kv_transfer_config.kv_role", "does not fit role 'prefill'"),
         ({"checkpoint": "dummy:huge"}, "checkpoint", "unknown dummy size"),
-        ({"checkpoint": "dummy:tiny", "max_model_len": 40000}, "max_model_len", "exceeds the model's max_seq_len 32768"),
+        ({"checkpoint": "dummy:tiny", "max_model_len": 4096}, "max_model_len", "exceeds the model's max_seq_len 512"),
     ],
     ids=["unknown-key", "wrong-type", "bad-literal", "bad-size", "role-conflict", "bad-checkpoint", "context-too-long"],
 )

@@ -5,7 +5,7 @@ capabilities on /health, and constrained output across the PD hand-off."""
 from __future__ import annotations
 
 import json
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 import jsonschema
@@ -14,7 +14,11 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
+from stack.engine.checkpoint import DUMMY_CONFIGS, dummy_weights
+from stack.engine.model import Model
 from stack.engine.server import warm_up
+from stack.engine.tokenizer import ByteTokenizer
+from stack.engine.weights import fingerprint
 from stack.protocol.capabilities import Capabilities
 
 from .conftest import chat, prefill_leg
@@ -27,10 +31,18 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "description": "th
 MESSAGES = [{"role": "user", "content": "what is the weather?"}]
 
 
+@pytest.fixture(scope="session")
+def tiny_long() -> Model:
+    """dummy:tiny's weights with a 4096-token window: room for the Hermes tools system prompt (~800 tokens)."""
+    config = replace(DUMMY_CONFIGS["tiny"], max_seq_len=4096)
+    weights = dummy_weights(config, 0)
+    return Model("dummy:tiny", config, weights, ByteTokenizer(), fingerprint(config, weights))
+
+
 @pytest.fixture
-async def sdk(engine_client) -> Any:
+async def sdk(engine_client, tiny_long: Model) -> Any:
     """(engine handle, AsyncOpenAI client pointed at the engine)."""
-    engine = await engine_client()
+    engine = await engine_client(model=tiny_long)
     client = openai.AsyncOpenAI(base_url=str(engine.client.make_url("/v1")), api_key="unused", max_retries=0)
     yield engine, client
     await client.close()
@@ -41,7 +53,15 @@ async def test_health_reports_every_capability(sdk) -> None:
     engine, _ = sdk
     body = await (await engine.client.get("/health")).json()
     assert body["capabilities"] == [f.name for f in fields(Capabilities)]
-    assert body["max_model_len"] == 32768
+    assert body["max_model_len"] == 4096
+
+
+def test_dummy_small_context_fits_a_coding_agent() -> None:
+    """dummy:small (the stacks' default) takes 32768 tokens; its KV is 16 KiB per token (512 MiB per full window)."""
+    from stack.engine.checkpoint import DUMMY_CONFIGS
+
+    small = DUMMY_CONFIGS["small"]
+    assert small.max_seq_len == 32768 and small.kv_bytes_per_token * small.max_seq_len == 512 * 2**20
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -202,10 +222,10 @@ async def test_detokenize_inverts_tokenize(sdk) -> None:
     {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}},
     {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False},
 ], ids=["json_schema", "tool_choice"])
-async def test_pd_constrained_output_equals_colocated(engine_client, constraint: dict[str, Any]) -> None:
+async def test_pd_constrained_output_equals_colocated(engine_client, tiny_long: Model, constraint: dict[str, Any]) -> None:
     """Prefill → KV socket → decode: the decode leg's matcher is advanced by prefill's first token, so the
     constrained greedy answer (and its logprobs) equal the colocated one token for token."""
-    colocated, prefill, decode = await engine_client("both"), await engine_client("prefill"), await engine_client("decode")
+    colocated, prefill, decode = [await engine_client(role, model=tiny_long) for role in ("both", "prefill", "decode")]
     await warm_up(decode.client.app)
     body = chat("what is the weather?", max_tokens=150, temperature=0, logprobs=True, **constraint)
     expected = await (await colocated.client.post("/v1/chat/completions", json=body)).json()
@@ -219,3 +239,20 @@ async def test_pd_constrained_output_equals_colocated(engine_client, constraint:
     assert [strip_ids(c) for c in got["choices"]] == [strip_ids(c) for c in expected["choices"]]
     assert got["choices"][0]["finish_reason"] == ("tool_calls" if "tools" in constraint else "stop")
     assert got["usage"] == expected["usage"]
+
+
+async def test_hf_tokenizer_checkpoint_gets_constrained_too(engine_client, tmp_path) -> None:
+    """A Hugging Face checkpoint (byte-level BPE tokenizer.json): llguidance builds its tokenizer from it,
+    and json_schema output validates; the choice constraint picks one of the strings."""
+    from stack.engine.model import load_model
+
+    from .conftest import write_hf_checkpoint
+
+    engine = await engine_client("both", model=load_model(str(write_hf_checkpoint(tmp_path / "hf"))))
+    body = {"model": "tiny", "prompt": "json:", "max_tokens": 120, "seed": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}}
+    out = await (await engine.client.post("/v1/completions", json=body)).json()
+    jsonschema.validate(json.loads(out["choices"][0]["text"]), SCHEMA)
+    picked = await (await engine.client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 20,
+                                                                        "structured_outputs": {"choice": ["red", "green"]}})).json()
+    assert picked["choices"][0]["text"] in ("red", "green")
