@@ -1,4 +1,4 @@
-"""The engine's HTTP face: OpenAI chat/completions (streamed or not), /v1/models, /tokenize, /health.
+"""The engine's HTTP face: OpenAI chat/completions (streamed or not, n choices), /v1/models, /tokenize, /detokenize, /health.
 
 `create_app(config, model)` wires the scheduler and the KV hand-off into one aiohttp app (state in
 `web.AppKey`s, started and stopped in `cleanup_ctx`). A generation request is parsed here, then
