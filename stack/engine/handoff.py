@@ -31,7 +31,7 @@ from stack.engine.kv_wire import KVHeader
 from stack.engine.metrics import EngineMetrics
 from stack.engine.model import Model
 from stack.engine.protocol import CompletionRequest, KVTransferParams
-from stack.engine.scheduler import Output, PromptKV, Scheduler, Sequence
+from stack.engine.scheduler import Output, PromptKV, Scheduler, Sequence, TokenLogprob
 
 
 def pd_leg(req: CompletionRequest) -> Literal["prefill", "decode"] | None:
@@ -130,6 +130,8 @@ class KVHandoff:
             prompt_hash=prompt_hash(prompt),
             total_bytes=sum(p.nbytes for p in payload),
             checksums=tuple(kv_wire.checksum(p) for p in payload),
+            first_logprob=None if kv.first_logprob is None else (kv.first_logprob.token, kv.first_logprob.logprob,
+                                                                 [list(t) for t in kv.first_logprob.top]),
         )
         try:
             result = await self.producer.push(header, payload, params.decode_kv_addr)
@@ -151,7 +153,10 @@ class KVHandoff:
             return self.scheduler.submit(request_id, prompt, req.sampling)
         header = received.header
         try:
-            seq = self.scheduler.submit(request_id, prompt, req.sampling, PromptKV(received.k, received.v, header.first_token, header.seed))
+            lp = header.first_logprob
+            first_logprob = None if lp is None else TokenLogprob(int(lp[0]), float(lp[1]), tuple((int(i), float(x)) for i, x in lp[2]))
+            kv = PromptKV(received.k, received.v, header.first_token, header.seed, first_logprob)
+            seq = self.scheduler.submit(request_id, prompt, req.sampling, kv)
         except BaseException:  # CacheCapacityError: the scheduler never took the arrays
             received.release()
             raise
