@@ -76,9 +76,12 @@ class _Job:
         return self.prompt_tokens + self.max_tokens
 
     def prefill_body(self, kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
-        """One token, not streamed (vLLM's toy proxy: min_tokens and stream_options are not for prefill)."""
+        """One token, not streamed, no stream_options (vLLM's toy proxy). `min_tokens` becomes 1 when the client set
+        it: our decode continues from prefill's token, which must not be EOS then (vLLM needs min ≤ max = 1)."""
         body = {k: v for k, v in self.body.items() if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
         body.update(stream=False, max_tokens=1)
+        if self.body.get("min_tokens"):
+            body["min_tokens"] = 1
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
         if kv_transfer_params is not None:
