@@ -1,7 +1,8 @@
-"""`python -m doctor diagnose | check | verify` — argparse front end; exit 0 / 1 / 2.
+"""`python -m doctor diagnose | explain | check | verify` — argparse front end; exit 0 / 1 / 2.
 
 diagnose: read logs (compose project via the Docker API, or --logs files/folders/stdin), join them
           by request id, run every diagnosis, print findings.
+explain:  one request's timeline across the services with per-hop durations, as text and a PNG/SVG.
 check:    live probes of the running stack (docker, compose, containers, key, router, proxies,
           engine health, KV port, one streamed request).
 verify:   send one streamed request through the router and prove from the logs that it went
@@ -16,7 +17,7 @@ from typing import Sequence, TextIO
 
 from doctor import environment, render, sources
 from doctor.errors import DoctorError
-from doctor.checks import REGISTRY, STALLED, run_checks
+from doctor.checks import REGISTRY, STALLED, UNEXPLAINED, run_checks
 from doctor.findings import Context, Finding
 
 EPILOG = "exit codes: 0 no failure (warnings too, unless --strict), 1 findings, 2 the doctor could not run"
@@ -58,6 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
                           help="run only these diagnoses (see --list-checks)")
     diagnose.add_argument("--list-checks", action="store_true", help="list the diagnoses and exit")
 
+    explain = sub.add_parser("explain", parents=[common], epilog=EPILOG,
+                             help="one request's hops (router queue, prefill, KV push, decode first token, stream)")
+    explain.add_argument("request_id", help="the request id (X-Request-ID, or the id in a finding)")
+    explain.add_argument("--logs", action="append", default=[], metavar="PATH",
+                         help="log file or folder, '-' for stdin (default: the running compose project's containers)")
+    explain.add_argument("--since", help="only lines since a duration ago (10m, 2h) or an ISO-8601 time")
+    explain.add_argument("--out", metavar="FILE", help="the picture to write, .png or .svg "
+                         "(default: doctor-explain-<request id>.png)")
+    explain.add_argument("--no-picture", action="store_true", help="text only")
+
     check = sub.add_parser("check", parents=[common], epilog=EPILOG, help="live probes of the running stack")
     check.add_argument("--timeout", type=float, default=60.0, help="seconds for the end-to-end request")
     verify = sub.add_parser("verify", parents=[common], epilog=EPILOG,
@@ -67,11 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def diagnose(args: argparse.Namespace, stdin: TextIO | None = None) -> tuple[list[Finding], dict]:
-    known = {check.id for check in REGISTRY} | {STALLED}
-    unknown = sorted(set(args.check) - known)
-    if unknown:
-        raise DoctorError(f"--check {', '.join(unknown)}: unknown (known: {', '.join(sorted(known))})")
+def load_context(args: argparse.Namespace, stdin: TextIO | None = None) -> tuple[Context, sources.Loaded]:
+    """The logs (files or the compose project) and the client side, joined into one Context."""
     since = sources.parse_since(args.since) if args.since else None
     if args.logs:
         loaded = sources.load_files(args.logs, args.client_log, stdin)
@@ -80,12 +88,22 @@ def diagnose(args: argparse.Namespace, stdin: TextIO | None = None) -> tuple[lis
         loaded = sources.load_docker(args.project, since)
         sources.add_client_logs(loaded, args.client_log)
         records = loaded.records
-    if not records:
+    # A quiet window is not a failure: the project's containers (or files) were read, they just logged nothing since.
+    quiet = since is not None and (loaded.docker is not None or loaded.stats.lines > 0)
+    if not records and not quiet:
         raise DoctorError(f"no log lines found in {', '.join(loaded.sources) or 'the given sources'} "
                           f"({loaded.stats.unreadable} unreadable)")
     published = (loaded.docker or {}).get("router_url")
     env = environment.snapshot(args.home, router_url=args.router_url or published)
-    ctx = Context.build(records, env, loaded.stats, loaded.docker)
+    return Context.build(records, env, loaded.stats, loaded.docker), loaded
+
+
+def diagnose(args: argparse.Namespace, stdin: TextIO | None = None) -> tuple[list[Finding], dict]:
+    known = {check.id for check in REGISTRY} | {STALLED, UNEXPLAINED}
+    unknown = sorted(set(args.check) - known)
+    if unknown:
+        raise DoctorError(f"--check {', '.join(unknown)}: unknown (known: {', '.join(sorted(known))})")
+    ctx, loaded = load_context(args, stdin)
     if args.request_id:
         narrowed = ctx.narrow(args.request_id)
         if narrowed is None:
@@ -116,6 +134,8 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
         for check in REGISTRY:
             out.write(f"{check.id:<12} {check.summary}\n")
         return 0
+    if args.command == "explain":
+        return _explain(args, stdin, out)
     try:
         if args.command == "diagnose":
             findings, summary = diagnose(args, stdin)
@@ -132,6 +152,35 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
         style = render.Style.detect(out, args.verbose, args.no_color)
         out.write(render.render_text(findings, style, summary, args.command))
     return render.exit_code(findings, args.strict)
+
+
+def _explain(args: argparse.Namespace, stdin: TextIO | None, out: TextIO) -> int:
+    from pathlib import Path
+
+    from doctor import explain
+
+    args.client_log = []
+    try:
+        ctx, _ = load_context(args, stdin)
+        timeline = ctx.timelines.get(args.request_id)
+        if timeline is None:
+            raise DoctorError(f"{args.request_id}: not in the logs ({len(ctx.timelines)} requests seen)")
+        picture = None
+        if not args.no_picture:
+            picture = explain.picture(timeline, Path(args.out or f"doctor-explain-{args.request_id}.png"))
+    except DoctorError as exc:
+        render.render_failure(str(exc), args.json, out)
+        return 2
+    if args.json:
+        import json
+
+        out.write(json.dumps({"schema_version": render.SCHEMA_VERSION, "command": "explain",
+                              "request_id": args.request_id, "status": timeline.status, "complete": timeline.complete,
+                              "hops": [vars(h) for h in explain.hops(timeline)],
+                              "picture": str(picture) if picture else None}, indent=2) + "\n")
+    else:
+        out.write(explain.text(timeline) + (f"picture: {picture}\n" if picture else ""))
+    return 0 if timeline.complete else 1
 
 
 def run() -> None:

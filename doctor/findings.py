@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Iterable
 
+from doctor import stackfacts
 from doctor.environment import Environment
 from doctor.parse import CLIENT, ParseStats, Record
 from doctor.timeline import Timeline, build_timelines
@@ -44,6 +45,10 @@ def finding(id: str, severity: str, title: str, cause: str, fix: str,
     """Build a Finding from records: evidence in hop order (router → prefill → decode), deduplicated."""
     seen: set[str] = set()
     chosen: list[Record] = []
+    records, request_ids = list(records), list(request_ids)
+    # The X-Request-ID a client sent is named too, after the router's id (its lines carry it as client_request_id).
+    client = {r.request_id: r.data["client_request_id"] for r in records if isinstance(r.data.get("client_request_id"), str)}
+    request_ids = [*request_ids, *(client[i] for i in request_ids if i in client)]
     for r in sorted(records, key=lambda r: (r.hop, r.ts)):
         if r.line not in seen:
             seen.add(r.line)
@@ -99,11 +104,21 @@ class Context:
         client = [r for r in records if r.service == CLIENT]
         return cls(records, timelines, background, client, env, stats or ParseStats(), docker)
 
+    def timeline(self, request_id: str) -> Timeline | None:
+        """A request's timeline by the router's id or by the X-Request-ID its client sent (the router names every
+        request itself and logs the client's as client_request_id: stack.common.errors)."""
+        found = self.timelines.get(request_id)
+        if found is None:
+            found = next((t for t in self.timelines.values()
+                          if any(r.data.get("client_request_id") == request_id for r in t.records)), None)
+        return found
+
     def narrow(self, request_id: str) -> Context | None:
         """One request's timeline plus the lines outside any request (start-up facts, listeners)."""
-        timeline = self.timelines.get(request_id)
+        timeline = self.timeline(request_id)
         if timeline is None:
             return None
+        request_id = timeline.records[0].request_id if timeline.records else request_id
         return Context(timeline.records + self.background + self.client, {request_id: timeline}, self.background,
                        self.client, self.env, self.stats, self.docker)
 
@@ -112,6 +127,11 @@ class Context:
         if len(names) == 1:
             return list(self._by_event.get(names[0], ()))
         return sorted((r for name in names for r in self._by_event.get(name, ())), key=attrgetter("ts"))
+
+    @property
+    def facts(self) -> stackfacts.StackFacts:
+        """The real service/network/file names of the stack (live project, else the shipped compose.yaml)."""
+        return stackfacts.from_docker(self.docker)
 
     def services_seen(self) -> set[str]:
         return {r.service for r in self.records if r.service != CLIENT}

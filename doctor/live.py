@@ -311,12 +311,12 @@ def verify(args: argparse.Namespace, stack: Stack | None = None, model: str | No
     for _ in range(10):  # logs reach docker asynchronously; give them a moment
         loaded = sources.load_docker(stack.project, since=sent_at)
         ctx = Context.build(loaded.records, env, loaded.stats, loaded.docker)
-        timeline = ctx.timelines.get(rid)
+        timeline = ctx.timeline(rid)
         if timeline is not None and (timeline.complete or timeline.first(events.ROUTER_REQUEST_DONE)):
             break
         time.sleep(0.5)
     summary = {"project": stack.project, "request_id": rid, "router_url": url, "stream": what}
-    timeline = ctx.timelines.get(rid) if ctx else None
+    timeline = ctx.timeline(rid) if ctx else None
     if done and timeline is not None and timeline.complete:
         if timeline.colocated:
             return [ok("verify", f"verified: request {rid} went router → engine (colocated; no KV transfer): {what}")], summary
@@ -329,6 +329,8 @@ def verify(args: argparse.Namespace, stack: Stack | None = None, model: str | No
         return [finding("verify", "ok", f"verified: request {rid} went router → prefill → KV ({detail}) → decode: "
                         f"{what}", "kv_producer.sent in prefill and kv_consumer lines in decode carry the same "
                         "request id.", "nothing to fix", evidence, [rid])], summary
+    if done and timeline is not None and _foreign_engines(timeline):
+        return _verify_vllm(stack, env, sent_at, rid, what, timeline), summary
     findings = [f for f in run_checks(ctx.narrow(rid) or ctx) if f.severity != "ok"] if ctx else []
     stopped = timeline.stopped_at if timeline is not None else None
     reason = (f"it stopped at {stopped}" if stopped else
@@ -336,3 +338,39 @@ def verify(args: argparse.Namespace, stack: Stack | None = None, model: str | No
     return [problem("verify", "error", f"verify failed: {what}; {reason}",
                     "The request did not go router → prefill → KV → decode; the findings below say why.",
                     "python -m doctor diagnose -v")] + findings, summary
+
+
+def _foreign_engines(timeline) -> bool:
+    """The router ran both legs but no engine logged our events: the engines are vLLM (or another server)."""
+    return (timeline.first(events.ROUTER_PREFILL_DONE) is not None
+            and timeline.first(events.ROUTER_DECODE_FIRST_TOKEN) is not None
+            and not any(r.service in ("prefill", "decode") for r in timeline.records))
+
+
+def _verify_vllm(stack: Stack, env, sent_at: datetime, rid: str, what: str, timeline,
+                 wait_s: float = 15.0) -> list[Finding]:
+    """A vLLM stack: a 200 is no proof (decode may recompute); require vLLM's own `KV Transfer metrics:
+    Num successful transfers=N` (N > 0), which it logs every stats interval (10 s by default)."""
+    from doctor.checks import upstream
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        loaded = sources.load_docker(stack.project, since=sent_at)
+        ctx = Context.build(loaded.records, env, loaded.stats, loaded.docker)
+        proofs = upstream.proofs(ctx)
+        if proofs or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    router = [r for r in (timeline.first(events.ROUTER_PREFILL_DONE), timeline.first(events.ROUTER_REQUEST_DONE)) if r]
+    if proofs:
+        return [finding("verify", "ok", f"verified: request {rid} went router → prefill → KV → decode (vLLM reports "
+                        f"successful KV transfers): {what}", "vLLM's own KV Transfer metrics line shows transfers "
+                        "after the request (vllm-project/vllm#42703).", "nothing to fix", router + proofs[-1:], [rid])]
+    failures = [f for f in upstream.check(ctx) if f.severity != "ok"]
+    return [problem("verify.no_vllm_kv_proof", "error",
+                    f"verify failed: the request answered ({what}) but vLLM logged no successful KV transfer",
+                    "The router ran the prefill and decode legs, but no engine logged `KV Transfer metrics: Num "
+                    f"successful transfers` > 0 within {wait_s:.0f} s: decode may have recomputed the prefill itself "
+                    "(a 200 proves nothing about KV).",
+                    "docker compose logs decode | grep -E 'KV Transfer metrics|KVConnector|NIXL'; start vLLM with "
+                    "--kv-transfer-config on both engines")] + failures

@@ -24,10 +24,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from doctor import signatures
 from stack.common import events
 
 SERVICES = ("router", "prefill", "decode", "engine")
 CLIENT = "client"
+UPSTREAM = "upstream."  # event prefix of a record made from a real engine's failure string (doctor/signatures.py)
 # Order of hops inside one request; clocks of different containers disagree, so within a
 # request records are ordered by hop first and by timestamp second.
 HOP_RANK = {CLIENT: 0, "router": 1, "prefill": 2, "engine": 2, "decode": 3}
@@ -38,12 +40,18 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _DOCKER_TS = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:Z|[+-]\d{2}:?\d{2})\s")
 _INDEX_SUFFIX = re.compile(r"[-_]\d+$")
 _REQUEST_ID = re.compile(r"request[ _-]?id[\"']?\s*[:=]\s*[\"']?([A-Za-z0-9_-]{6,})")
+# A key in a client's own output (`Illegal header value b'Bearer sk-… '`): findings never show key values.
+_SECRET = re.compile(r"(?i)(bearer\s+|x-api-key[\"']?\s*[:=]\s*[\"']?)[^\s'\",}]+")
 _STATUS = re.compile(r"(?:Error code:|API Error:|unexpected status|status(?: code)?:?|HTTP)\s*(\d{3})\b")
 
 # Client-side error strings (shared/reference/gateways.md, part B) → a stable kind.
 CLIENT_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     (kind, re.compile(pattern))
     for kind, pattern in (
+        # httpx/h11 refuse a header value with surrounding whitespace or control bytes before anything is sent.
+        ("header_refused", r"Illegal header value|LocalProtocolError|Invalid header value"),
+        ("dns_failed", r"Name or service not known|getaddrinfo failed|nodename nor servname|"
+                       r"Temporary failure in name resolution|No address associated with hostname"),
         ("oauth_expired", r"OAuth token has expired"),
         ("invalid_grant", r"invalid_grant"),
         ("auth_unresolved", r"Could not resolve authentication method|Invalid API key · Please run /login"),
@@ -187,6 +195,9 @@ def parse_lines(
                 append(Record(who, obj.get("ts") or "", event, obj.get("request_id") or "-",
                               obj.get("level") or "", obj.get("msg") or "", obj, text, f"{origin}:{lineno}",
                               hop_rank(who, 4)))
+                if event == events.LOG and (sig := signatures.match(obj.get("msg") or "")) is not None:
+                    append(_signature_record(sig, who, obj.get("ts") or "", obj.get("request_id") or "-", text,
+                                             f"{origin}:{lineno}"))
                 declared = declared_events(event)
                 keys = obj.keys()
                 if declared is None or not (keys <= declared.line_keys and keys >= declared.required):
@@ -198,6 +209,9 @@ def parse_lines(
                     stats.unreadable_examples.append(f"{origin}:{lineno}: {text[:80]!r}")
                 continue
         where = f"{origin}:{lineno}"
+        if not client_source and (sig := signatures.match(text)) is not None:
+            append(_signature_record(sig, service if service in SERVICES else "engine", "", "-", text, where))
+            continue
         record = _client_record(text, where) if (client_source or service in (None, CLIENT)) else None
         if record is not None:
             append(record)
@@ -223,10 +237,19 @@ def _undeclared(stats: ParseStats, declared: events.Event | None, event: str, ke
 
 
 def _client_record(text: str, where: str) -> Record | None:
+    if text.lstrip().startswith('File "'):  # a traceback frame: `line 401` is a line number, not a status
+        return None
     found = classify_client_line(text)
     if found is None:
         return None
     kind, data = found
+    text = _SECRET.sub(r"\1<redacted>", text)
     rid = _REQUEST_ID.search(text)
     return Record(CLIENT, "", f"client.{kind}", rid.group(1) if rid else "-", "ERROR", text.strip()[:300], data,
                   text.strip(), where, HOP_RANK[CLIENT])
+
+
+def _signature_record(sig: signatures.Signature, service: str, ts: str, request_id: str, text: str,
+                      where: str) -> Record:
+    return Record(service, ts, UPSTREAM + sig.id, request_id, "ERROR" if sig.severity == "error" else "WARNING",
+                  text.strip()[:300], {"signature": sig.id}, text.strip(), where, HOP_RANK.get(service, 4))

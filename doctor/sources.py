@@ -145,8 +145,20 @@ def load_docker(project: str | None, since: datetime | None) -> Loaded:
     name = pick_project(projects, project)
     loaded = Loaded()
     services: dict[str, str] = {}
+    networks: dict[str, list[str]] = {}
+    config_dirs: dict[str, str] = {}
+    published: dict[str, list[str]] = {}
+    exits: dict[str, dict] = {}
     for service, container in sorted(projects[name].items()):
         state = container.attrs.get("State", {})
+        settings = container.attrs.get("NetworkSettings", {})
+        networks[service] = sorted((settings.get("Networks") or {}).keys())
+        config_dirs.update({service: m["Source"] for m in container.attrs.get("Mounts", [])
+                            if m.get("Destination") == "/config" and m.get("Source")})
+        published[service] = [f"{b.get('HostIp') or '0.0.0.0'}:{b['HostPort']}->{port}"
+                              for port, binds in (settings.get("Ports") or {}).items() for b in (binds or [])
+                              if b.get("HostPort")]
+        exits[service] = {"exit_code": state.get("ExitCode"), "oom": bool(state.get("OOMKilled"))}
         # A stopped container keeps its last health status: only a running one reports health.
         health = (state.get("Health") or {}).get("Status") if state.get("Running") else None
         services[service] = health or state.get("Status", "?")
@@ -155,7 +167,8 @@ def load_docker(project: str | None, since: datetime | None) -> Loaded:
             kwargs["since"] = int(since.timestamp())
         text = container.logs(**kwargs).decode("utf-8", errors="replace")
         loaded.add(text.splitlines(), f"docker:{name}/{service}", service if service in SERVICES else None)
-    loaded.docker = {"project": name, "services": services, "router_url": published_router_url(projects[name])}
+    loaded.docker = {"project": name, "services": services, "router_url": published_router_url(projects[name]),
+                     "networks": networks, "config_dirs": config_dirs, "published": published, "exits": exits}
     return loaded
 
 

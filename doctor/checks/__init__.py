@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from doctor.checks import auth_401, choices_parse, healthy, kv_transfer, local_proxy, oauth, p2pnccl, stalled
+from doctor.checks import (auth_401, backends, bypass, choices_parse, client_view, config_mismatch, healthy, kv_transfer,
+                           local_proxy, model_name, oauth, p2pnccl, stalled, unexplained, upstream)
 from doctor.findings import Context, Finding
 
 
@@ -21,16 +22,24 @@ class Check:
 
 
 REGISTRY: tuple[Check, ...] = (
+    Check("client_view", "requests that never left the client; ANTHROPIC_* credential conflicts", client_view.check),
+    Check("model", "404 model_not_found (Claude Code's claude-* names)", model_name.check),
+    Check("backends", "a prefill/decode backend that is gone (503 no_*_backend, OOM-killed container)", backends.check),
+    Check("bypass", "clients that talk to an engine directly, not through the router", bypass.check),
+    Check("config", "prefill/decode config mismatches (max_model_len, block_size, …): key, values, files",
+          config_mismatch.check),
     Check("auth", "401s, missing router key, quota vs rate limit", auth_401.check),
     Check("local_proxy", "client cannot reach the router (proxy variables, base URL, router down)", local_proxy.check),
     Check("oauth", "Claude Code / Codex configured for OAuth instead of the router key", oauth.check),
     Check("choices", "error bodies, failed decodes, empty choices, streams without [DONE]", choices_parse.check),
     Check("kv_transfer", "KV port mismatch, unreachable KV port, buffer too small, timeouts, model mismatch",
           kv_transfer.check),
+    Check("upstream", "real vLLM / NIXL / UCX / SGLang / Mooncake / NCCL failure strings", upstream.check),
     Check("p2pnccl", "vLLM P2pNccl engines not registered with the router, dropped, or pinging another format",
           p2pnccl.check),
 )
 STALLED = "stalled"  # the id `--check` selects the stalled-request diagnosis by
+UNEXPLAINED = "unexplained"  # failed requests no diagnosis explained
 
 
 def run_checks(ctx: Context, only: Iterable[str] = ()) -> list[Finding]:
@@ -43,6 +52,9 @@ def run_checks(ctx: Context, only: Iterable[str] = ()) -> list[Finding]:
     if not wanted or STALLED in wanted:
         explained = {rid for f in results for rid in f.request_ids}
         results.extend(stalled.check(ctx, explained))
+    if not wanted or UNEXPLAINED in wanted:
+        explained = {rid for f in results for rid in f.request_ids}
+        results.extend(unexplained.check(ctx, explained))
     if not any(f.severity != "ok" for f in results):
         results.extend(healthy.check(ctx))
     return results

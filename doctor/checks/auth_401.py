@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from doctor.checks.client_view import conflict_values, never_left
 from doctor.findings import Context, Finding, finding
 from stack.common import events
 
@@ -66,6 +67,8 @@ def check(ctx: Context) -> list[Finding]:
                     f"compare fingerprints: printf %s \"${key_var}\" | sha256sum | cut -c1-12  vs  docker compose "
                     f"exec router sh -c 'printf %s \"${key_var}\" | sha256sum | cut -c1-12'"),
     }
+    if conflict_values(ctx) is not None:  # client.auth_conflict names which variable was sent and why
+        rejected.pop("unknown", None)
     for reason, group in rejected.items():
         fid, title, cause, fix = texts.get(reason, texts["unknown"])
         headers = Counter(r[events.HEADER] or "?" for r in group)
@@ -85,8 +88,10 @@ def check(ctx: Context) -> list[Finding]:
             f"{_known(last[events.QUOTA])} tokens used)",
             "The key's token quota is used up: the router answers 429 `insufficient_quota` until the quota is "
             "raised or reset. Waiting does not help (unlike a rate limit).",
-            "raise the quota ([limits] token_quota in router/settings.toml, or the key's entry in its keys file, see "
-            "router/keys.example.toml), then `docker compose up -d router`; or reset its usage; see usage at /v1/usage",
+            "see the key's usage and quota: curl -H \"Authorization: Bearer $TAOTOKEN_API_KEY\" "
+            f"{ctx.env.router_url}/v1/usage; raise token_quota in the key's entry of its keys file ([auth] keys_file "
+            "in router/settings.toml names it; see router/keys.example.toml), or [limits] token_quota in "
+            "router/settings.toml for keys without their own, then docker compose up -d router",
             quota, [r.request_id for r in quota]))
     rate = ctx.by_event(events.LIMIT_RATE)
     if rate:
@@ -136,6 +141,8 @@ def _client_401_elsewhere(ctx: Context) -> list[Finding]:
 
 def _dirty_keys(ctx: Context) -> list[Finding]:
     """Keys in the client environment with whitespace or quotes (names only, never values)."""
+    if never_left(ctx):  # client.header_refused says it: the SDK refused to send it, the router never saw it
+        return []
     bad = [name for name in CLIENT_KEY_VARS
            if (value := ctx.env.client_env(name)) and (value != value.strip() or value[:1] in "\"'"
                                                         or value[-1:] in "\"'" or " " in value)]

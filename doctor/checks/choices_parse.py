@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from doctor.checks.config_mismatch import rejected_for_length
 from doctor.findings import Context, Finding, finding
 from stack.common import events
 
@@ -34,7 +35,10 @@ def check(ctx: Context) -> list[Finding]:
 
 def _decode_failed_after_prefill(ctx: Context, client: list) -> list[Finding]:
     hits = []
+    by_config = {rid for rid, _, _ in rejected_for_length(ctx)}  # config.max_model_len_mismatch names it
     for t in ctx.timelines.values():
+        if t.request_id in by_config:
+            continue
         prefill_ok = t.first(events.ROUTER_PREFILL_DONE)
         failed = [r for r in t.events(events.ROUTER_DECODE_FAILED, events.ROUTER_UPSTREAM_ERROR)
                   if r.event == events.ROUTER_DECODE_FAILED or r[events.ROLE] == "decode"]
@@ -47,7 +51,7 @@ def _decode_failed_after_prefill(ctx: Context, client: list) -> list[Finding]:
     statuses = Counter(str(f[0][events.STATUS] or "?") for _, _, f in hits)
     evidence = list(client[:2])
     for t, prefill_ok, failed in hits[:3]:
-        decode_errors = [r for r in t.records if r.service == "decode" and r.level in ("ERROR", "CRITICAL")]
+        decode_errors = [r for r in t.records if r.service == "decode" and r.level in ("WARNING", "ERROR", "CRITICAL")]
         answered = t.events(events.ROUTER_REQUEST_DONE)
         evidence += [prefill_ok, *failed[:1], *decode_errors[:2], *answered[:1]]
     t0, _, failed0 = hits[0]
@@ -59,7 +63,7 @@ def _decode_failed_after_prefill(ctx: Context, client: list) -> list[Finding]:
         "Prefill computed the KV and answered, then the decode engine answered an error, so the router returned "
         f"an error body instead of a completion; a client that reads `choices` without checking the status "
         f"fails with KeyError: 'choices'. Decode said: {str(detail)[:200]}",
-        "docker compose logs decode --since 10m | grep -E '\"level\": \"(ERROR|CRITICAL)\"'; fix the decode error "
+        "docker compose logs decode --since 10m | grep -E '\"level\": \"(WARNING|ERROR|CRITICAL)\"'; fix the decode error "
         "shown, then docker compose restart decode. Clients: check response.status / \"error\" before "
         "reading choices.",
         evidence, [t.request_id for t, _, _ in hits])]

@@ -121,8 +121,8 @@ def _connect_failures(ctx: Context) -> list[Finding]:
             "Prefill cannot open (or keep) a TCP connection to decode's KV port: a network problem between the "
             "two containers/hosts (network disconnected, firewall, wrong host, DNS), not a port number problem. "
             f"Error: {error or 'connection closed mid-payload'}",
-            f"{probe}; docker network inspect <project>_default (both services attached?); open the "
-            f"port in the firewall; {RESTART}",
+            f"{probe}; docker network inspect {ctx.facts.network_between('prefill', 'decode') or 'pd-deploy_kv'} "
+            f"(both prefill and decode attached?); open the port in the firewall; {RESTART}",
             unreachable[:3] + incomplete[:2] + _same_requests(router_side, unreachable + incomplete)[:2],
             _rids(unreachable + incomplete)))
     return out

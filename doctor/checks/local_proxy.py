@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit
 
+from doctor.checks.client_view import never_left
 from doctor.environment import NO_PROXY_VARS, PROXY_VARS, redact_url
 from doctor.findings import Context, Finding, finding
 from stack.common import events
@@ -29,7 +30,7 @@ def check(ctx: Context) -> list[Finding]:
     out.extend(_base_urls(ctx))
     router_down = _router_down(ctx, client)
     out.extend(router_down)
-    if client and not router_down:
+    if client and not router_down and not never_left(ctx):
         out.extend(_not_in_router_log(ctx, client, [f.id for f in out]))
     return out
 
@@ -94,17 +95,24 @@ def _client_base_urls(ctx: Context) -> list[tuple[str, str, str, bool]]:
     return urls
 
 
+def engine_host_ports(ctx: Context) -> set[int]:
+    """Host ports the engine containers publish (live only): a client URL on one of them reaches an engine."""
+    published = (ctx.docker or {}).get("published") or {}
+    return {int(b.split("->")[0].rsplit(":", 1)[1]) for s in ENGINE_HOSTS for b in published.get(s, ())}
+
+
 def _base_urls(ctx: Context) -> list[Finding]:
     out: list[Finding] = []
     router = ctx.env.router_url
+    engine_ports = engine_host_ports(ctx)
     for where, var, url, wants_v1 in _client_base_urls(ctx):
         parts = urlsplit(url)
         right = f"{router}/v1" if wants_v1 else router
-        if parts.port == ENGINE_PORT or (parts.hostname or "") in ENGINE_HOSTS:
+        if parts.port == ENGINE_PORT or (parts.hostname or "") in ENGINE_HOSTS or parts.port in engine_ports:
             out.append(finding(
                 "client.base_url_engine", "error",
                 f"{where} points at an engine ({redact_url(url)}), not the router",
-                "Port 8000 / prefill / decode is an engine: it has no key check, no PD scheduling, and a decode "
+                "Port 8000 / prefill / decode (or a host port an engine container publishes) is an engine: it has no key check, no PD scheduling, and a decode "
                 "engine without a prefill hand-off waits for KV that never comes. Clients must only talk to the "
                 "router.",
                 f"{var}={right}"))

@@ -61,12 +61,13 @@ def _claude(ctx: Context) -> list[Finding]:
             f"apiKeyHelper is set{login}. Claude Code then sends its claude.ai OAuth token (or nothing: 'Could not "
             "resolve authentication method'), which the router rejects with 401; when it expires you see "
             "'OAuth token has expired · Please run /login'.", claude_fix(ctx)))
-    if token and api_key:
+    if token and api_key and token.strip() == api_key.strip():  # different values: client.auth_conflict
         out.append(finding(
-            "oauth.claude_auth_conflict", "warning", "Both ANTHROPIC_AUTH_TOKEN and ANTHROPIC_API_KEY are set",
+            "oauth.claude_auth_conflict", "warning", "Both ANTHROPIC_AUTH_TOKEN and ANTHROPIC_API_KEY are set (same key)",
             "Claude Code warns 'Auth conflict: Both a token (ANTHROPIC_AUTH_TOKEN) and an API key "
-            "(ANTHROPIC_API_KEY) are set' and uses the token; if the two differ, the one the router knows may "
-            "not be the one sent.", "unset ANTHROPIC_API_KEY (keep ANTHROPIC_AUTH_TOKEN=\"$" + KEY_VAR + "\")"))
+            "(ANTHROPIC_API_KEY) are set' and sends the token; the anthropic SDK sends the API key. They hold the "
+            "same key now, so both work, until one of them is rotated.",
+            "unset ANTHROPIC_API_KEY (keep ANTHROPIC_AUTH_TOKEN=\"$" + KEY_VAR + "\")"))
     return out
 
 

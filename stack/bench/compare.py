@@ -93,7 +93,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def stack_specs(args: argparse.Namespace) -> list[StackSpec]:
     urls = dict(item.split("=", 1) for item in args.url)
-    common = {"TAOTOKEN_API_KEY": args.api_key, "PD_CHECKPOINT": args.checkpoint, "ROUTER_CPUS": args.router_cpus}
+    common = {"TAOTOKEN_API_KEY": args.api_key, "PD_INTERNAL_KEY": secrets.token_hex(16),  # router → engines
+              "PD_CHECKPOINT": args.checkpoint, "ROUTER_CPUS": args.router_cpus}
     cpus = {
         "colocated": {"ENGINE_CPUS": args.colocated_cpus},
         "disaggregated": {"PREFILL_CPUS": args.prefill_cpus, "DECODE_CPUS": args.decode_cpus},

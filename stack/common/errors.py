@@ -67,6 +67,18 @@ class PayloadTooLarge(APIError):
     status, type = 413, "request_too_large"
 
 
+class RequestTimeout(APIError):
+    """The client announced a body and did not send it within the server's body timeout (408)."""
+
+    status, type = 408, "invalid_request_error"
+
+
+class UnsupportedMediaType(APIError):
+    """A body encoding the server does not decode (Content-Encoding: gzip …) (415)."""
+
+    status, type = 415, "invalid_request_error"
+
+
 class RateLimited(APIError):
     """A per-key rate or concurrency limit was hit; retry later (429)."""
 
@@ -123,7 +135,9 @@ def error_middleware(render: Renderer = lambda _r, e: openai_error_body(e)) -> C
         try:
             return await handler(request)
         except APIError as err:
-            level = "WARNING" if err.status < 500 else "ERROR"
+            # Client mistakes and capacity (a full queue, no slot in time: 503 with Retry-After) are WARNING; only
+            # faults of ours or of a backend (500, 502, 504) are ERROR.
+            level = "WARNING" if err.status < 500 or isinstance(err, Overloaded) else "ERROR"
             event = events.HTTP_BAD_REQUEST if err.status < 500 else events.HTTP_ERROR
             log_event(event, err.message, level, status=err.status, type=err.type, code=err.code)
             return error_response(request, err, render)
@@ -143,12 +157,44 @@ def error_middleware(render: Renderer = lambda _r, e: openai_error_body(e)) -> C
     return middleware
 
 
+CLIENT_REQUEST_ID = web.RequestKey("client_request_id", str)  # the X-Request-ID a client sent, when ours is minted (below)
+
+
+@web.middleware
+async def unique_request_id_middleware(request: web.Request,
+                                       handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """The router's: every request gets a fresh id (response ids, logs, the engine legs are named by it), so two
+    requests never share one. A client's X-Request-ID is kept as `client_request_id` (on every log line of the request)
+    and echoed back in X-Client-Request-ID; our id goes back in X-Request-ID."""
+    request_id = uuid.uuid4().hex
+    client_id = request.headers.get(REQUEST_ID_HEADER, "").strip()[:128]
+    request[REQUEST_ID] = request_id
+    if client_id:
+        request[CLIENT_REQUEST_ID] = client_id
+    with request_context(request_id, client_id or None):
+        response = await handler(request)
+    if not response.prepared:
+        response.headers[REQUEST_ID_HEADER] = request_id
+    return response
+
+
+CLIENT_REQUEST_ID_HEADER = "X-Client-Request-ID"
+
+
+async def echo_client_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: every answer (streams too) echoes the client's X-Request-ID as X-Client-Request-ID."""
+    client_id = request.get(CLIENT_REQUEST_ID)
+    if client_id:
+        response.headers[CLIENT_REQUEST_ID_HEADER] = client_id
+
+
 @web.middleware
 async def request_id_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """Accept X-Request-ID (or mint one), log under it, and echo it back."""
+    """The engines': accept X-Request-ID (the router names each leg; or mint one), log under it, and echo it back.
+    X-Client-Request-ID (the router passes on its client's own id) goes on the lines as client_request_id."""
     request_id = request.headers.get(REQUEST_ID_HEADER, "").strip()[:128] or uuid.uuid4().hex
     request[REQUEST_ID] = request_id
-    with request_context(request_id):
+    with request_context(request_id, request.headers.get(CLIENT_REQUEST_ID_HEADER, "").strip()[:128] or None):
         response = await handler(request)
     if not response.prepared:
         response.headers[REQUEST_ID_HEADER] = request_id

@@ -22,7 +22,9 @@ from typing import Any, Iterable, Mapping
 
 # Who logs an event: its `service` on the line (engine: any engine role, any: every service).
 ROUTER, PREFILL, DECODE, ENGINE, ANY = "router", "prefill", "decode", "engine", "any"
-BASE_KEYS = frozenset({"ts", "level", "service", "event", "request_id", "msg"})
+# client_request_id: on the router's lines of a request whose client sent X-Request-ID (the router names every
+# request itself, so ids are unique; the client's own id is kept beside it: stack.common.errors).
+BASE_KEYS = frozenset({"ts", "level", "service", "event", "request_id", "msg", "client_request_id"})
 
 
 @dataclass(frozen=True, eq=False)  # a field is its constant: compared by identity
@@ -192,6 +194,12 @@ CLIENT_ASKED = Field("client_asked", bool, True, "the client itself sent stream_
 CAPABILITIES = Field("capabilities", list, ["tools", "structured_outputs"],
                      "capability flags (stack.protocol.capabilities.Capabilities field names) that are set")
 PARAM = Field("param", str, "tool_choice", "the request parameter, as the client named it")
+DEADLINE_MS = Field("deadline_ms", int, 120000, "[scheduler] deadline_ms")
+WORST_CASE_S = Field("worst_case_s", dict, {"first_byte_s": 120.0}, "the request time bounds computed from the settings")
+# Any service: abuse limits and liveness
+STALLED_S = Field("stalled_s", float, 31.2, "how long the event loop did not tick")
+LIMIT_S = Field("limit_s", float, 30.0, "the bound that was passed")
+PEER = Field("peer", str, "172.18.0.1", "the remote address")
 
 # -- any service -------------------------------------------------------------------------------
 SERVICE_STARTING = Event(
@@ -210,6 +218,16 @@ HTTP_BAD_REQUEST = Event("http.bad_request", ANY, "a 4xx answered to a client",
                          required=(STATUS, ERROR_TYPE), optional=(CODE,), level="WARNING")
 HTTP_ERROR = Event("http.error", ANY, "a 5xx answered; an unhandled exception carries only exc (traceback in the log only)",
                    optional=(STATUS, ERROR_TYPE, CODE, EXC), level="ERROR")
+HTTP_BODY_TIMEOUT = Event("http.body_timeout", ANY, "a client announced a body and did not send it in time (408)",
+                          required=(LIMIT_S,), level="WARNING")
+INTERNAL_AUTH_REJECTED = Event("internal_auth.rejected", ANY,
+                               "an engine refused a caller without the router's PD_INTERNAL_KEY (401)",
+                               required=(PATH, PEER), level="WARNING")
+INTERNAL_AUTH_OPEN = Event("internal_auth.open", ANY, "at start: PD_INTERNAL_KEY is unset, so /v1/* takes any caller",
+                           level="WARNING")
+SERVICE_LIVENESS_FAILED = Event("service.liveness_failed", ANY,
+                                "the event loop stalled past its limit; the process exits so its restart policy applies",
+                                required=(STALLED_S, LIMIT_S), level="ERROR")
 LOG = Event("log", ANY, "a free-form line: stdlib logging (aiohttp, grpc, asyncio) or loguru's logger",
             optional=(LOGGER, EXC))
 LOG_FIELDS_MISMATCH = Event("log.fields_mismatch", ANY,
@@ -320,6 +338,11 @@ ROUTER_CLIENT_DISCONNECTED = Event("router.client_disconnected", ROUTER, "the cl
                                    required=(DECODE_URL, CHUNKS_RELAYED), level="WARNING")
 ROUTER_REQUEST_DONE = Event("router.request_done", ROUTER, "a generation request ended (status as the client saw it)",
                             required=(API, KEY_NAME, STATUS, ERROR, PROMPT_TOKENS, COMPLETION_TOKENS, E2E_MS))
+ROUTER_DEADLINE_EXCEEDED = Event("router.deadline_exceeded", ROUTER,
+                                 "no first byte (or non-streamed answer) within [scheduler] deadline_ms (504)",
+                                 required=(DEADLINE_MS, STREAM), level="WARNING")
+ROUTER_BOUNDS = Event("router.bounds", ROUTER, "at start: the worst-case request times computed from the settings",
+                      required=(WORST_CASE_S,))
 ROUTER_USAGE_CHUNK = Event("router.usage_chunk", ROUTER, "a stream ended with the usage chunk whose choices is []",
                            required=(CLIENT_ASKED, PROMPT_TOKENS, COMPLETION_TOKENS))
 BACKEND_HEALTH = Event("backend.health", ROUTER, "a backend went up or down", required=(BACKEND, ROLE, STATE, WAS, REASON))

@@ -45,6 +45,7 @@ from stack.common import events
 # The request's id, set by stack.common.errors.request_id_middleware and read by every hop's logs.
 REQUEST_ID = web.RequestKey("request_id", str)
 _request_id: ContextVar[str] = ContextVar("request_id", default="-")
+_client_request_id: ContextVar[str | None] = ContextVar("client_request_id", default=None)  # a client's X-Request-ID (router)
 
 # loguru's level numbers (TRACE and SUCCESS included), so both paths filter alike.
 _LEVELS = {"TRACE": 5, "DEBUG": 10, "INFO": 20, "SUCCESS": 25, "WARNING": 30, "ERROR": 40, "CRITICAL": 50}
@@ -75,7 +76,8 @@ _secrets: set[str] = set()
 # `Bearer <token>` and OpenAI/Anthropic-style `sk-…` keys, wherever they appear in a line.
 # The token class stops at quotes, commas and backslashes so that redacting a serialized JSON line
 # (once per line, not per field: logging is on every request's hot path) keeps it valid JSON.
-_TOKEN_PATTERN = re.compile(r"(Bearer\s+)[^\s\"',\\]+|\bsk-[A-Za-z0-9_\-]{6,}")
+# A placeholder after `Bearer ` (`<key>`, `[REDACTED]`, `…`) is a hint, not a token, and stays readable; so do backticks.
+_TOKEN_PATTERN = re.compile(r"(Bearer\s+)(?![<\[{…`])[^\s\"',\\`]+|\bsk-[A-Za-z0-9_\-]{6,}")
 
 
 def register_secret(value: str) -> None:
@@ -103,6 +105,9 @@ def _write(level: str, event: str, request_id: str, msg: str, fields: dict[str, 
     requests handled in one step leave in one write instead of one syscall each."""
     line = {"ts": _Output.clock().isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": level, "service": _Output.service, "event": event, "request_id": request_id, "msg": msg, **fields}
+    client_id = _client_request_id.get()
+    if client_id is not None:
+        line["client_request_id"] = client_id
     _Output.stream.write(redact(_ENCODER.encode(line)) + "\n")
     try:
         loop = asyncio.get_running_loop()
@@ -130,6 +135,14 @@ def _write_record(message: Any) -> None:
     _write(record["level"].name, event, request_id, record["message"], extra)
 
 
+def _is_client_garbage(record: logging.LogRecord) -> bool:
+    """aiohttp's "Error handling request" for bytes that are not HTTP (HttpProcessingError: bad method, line, header)."""
+    from aiohttp.http_exceptions import HttpProcessingError
+
+    exc = record.exc_info[1] if record.exc_info else None
+    return isinstance(exc, HttpProcessingError)
+
+
 class _InterceptHandler(logging.Handler):
     """Send stdlib logging (aiohttp, grpc, asyncio) through loguru so every line is JSON."""
 
@@ -138,6 +151,9 @@ class _InterceptHandler(logging.Handler):
             level: str | int = logger.level(record.levelname).name
         except ValueError:
             level = record.levelno
+        if record.name == "aiohttp.server" and _is_client_garbage(record):
+            level = "WARNING"  # HTTP-parser garbage, port scans, TLS on a plain port: the client's mistake, not a fault
+            record.exc_info = (record.exc_info[0], record.exc_info[1], None) if record.exc_info else None
         logger.bind(logger=record.name).opt(exception=record.exc_info).log(level, record.getMessage())
 
 
@@ -158,13 +174,20 @@ def setup_logging(service: str, level: str = "INFO", sink: TextIO | None = None,
     logging.getLogger("aiohttp.access").disabled = True  # AccessLogger below replaces it
 
 
+def client_request_id() -> str | None:
+    """The client's own X-Request-ID of the request being handled (None: none sent, or outside a request)."""
+    return _client_request_id.get()
+
+
 @contextmanager
-def request_context(request_id: str) -> Iterator[None]:
-    """Lines logged inside (and in tasks started inside) carry `request_id`."""
+def request_context(request_id: str, client_request_id: str | None = None) -> Iterator[None]:
+    """Lines logged inside (and in tasks started inside) carry `request_id`, and `client_request_id` when given."""
     token = _request_id.set(request_id)
+    client_token = _client_request_id.set(client_request_id)
     try:
         yield
     finally:
+        _client_request_id.reset(client_token)
         _request_id.reset(token)
 
 

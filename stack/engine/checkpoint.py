@@ -25,9 +25,10 @@ DUMMY_CONFIGS = {
     # fast enough for unit tests
     "tiny": ModelConfig(vocab_size=_BYTE_VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                         hidden_dim=192, max_seq_len=512),
-    # ~25M parameters: an ~800-token prefill costs a large fraction of a second on one core
+    # ~25M parameters: an ~800-token prefill costs a large fraction of a second on one core. 32k context:
+    # a coding agent's system prompt and tool list fit (16 KiB of KV per token: 512 MiB for a full window)
     "small": ModelConfig(vocab_size=_BYTE_VOCAB, dim=512, n_layers=8, n_heads=8, n_kv_heads=4,
-                         hidden_dim=1536, max_seq_len=2048),
+                         hidden_dim=1536, max_seq_len=32768),
 }
 
 # config.json key -> (ModelConfig field, required)

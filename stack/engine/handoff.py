@@ -28,9 +28,10 @@ from stack.engine.errors import KVTransferError
 from stack.engine.kv_consumer import KVConsumer, ReceivedKV
 from stack.engine.kv_transfer import KVProducer, prompt_hash, split_addr
 from stack.engine.kv_wire import KVHeader
+from stack.engine.metrics import EngineMetrics
 from stack.engine.model import Model
 from stack.engine.protocol import CompletionRequest, KVTransferParams
-from stack.engine.scheduler import Output, PromptKV, Scheduler, Sequence
+from stack.engine.scheduler import Output, PromptKV, Scheduler, Sequence, TokenLogprob
 
 
 def pd_leg(req: CompletionRequest) -> Literal["prefill", "decode"] | None:
@@ -51,14 +52,15 @@ class PrefillLeg:
 class KVHandoff:
     """Both legs for one engine; `consumer` is None unless the engine listens on kv_port."""
 
-    def __init__(self, config: EngineConfig, model: Model, scheduler: Scheduler) -> None:
+    def __init__(self, config: EngineConfig, model: Model, scheduler: Scheduler, metrics: EngineMetrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics or scheduler.metrics
         self.model = model
         self.scheduler = scheduler
         kv = config.kv_transfer_config
         self.consumer: KVConsumer | None = None
         if config.is_kv_consumer:
-            self.consumer = KVConsumer(fingerprint=model.fingerprint, buffer_size=kv.buffer_bytes, lease_ms=kv.kv_lease_ms)
+            self.consumer = KVConsumer(fingerprint=model.fingerprint, buffer_size=kv.buffer_bytes, lease_ms=kv.kv_lease_ms, metrics=self.metrics)
         self.producer = KVProducer(io_timeout_s=max(kv.kv_transfer_timeout_ms, 1000) / 1000)
 
     async def start(self) -> None:
@@ -128,8 +130,15 @@ class KVHandoff:
             prompt_hash=prompt_hash(prompt),
             total_bytes=sum(p.nbytes for p in payload),
             checksums=tuple(kv_wire.checksum(p) for p in payload),
+            first_logprob=None if kv.first_logprob is None else (kv.first_logprob.token, kv.first_logprob.logprob,
+                                                                 [list(t) for t in kv.first_logprob.top]),
         )
-        await self.producer.push(header, payload, params.decode_kv_addr)
+        try:
+            result = await self.producer.push(header, payload, params.decode_kv_addr)
+        except KVTransferError as err:
+            self.metrics.on_kv_failed("send", err.reason)
+            raise
+        self.metrics.on_kv_sent(result.bytes, result.transfer_ms / 1000)
 
     # -- decode leg ------------------------------------------------------------------------------
 
@@ -144,7 +153,10 @@ class KVHandoff:
             return self.scheduler.submit(request_id, prompt, req.sampling)
         header = received.header
         try:
-            seq = self.scheduler.submit(request_id, prompt, req.sampling, PromptKV(received.k, received.v, header.first_token, header.seed))
+            lp = header.first_logprob
+            first_logprob = None if lp is None else TokenLogprob(int(lp[0]), float(lp[1]), tuple((int(i), float(x)) for i, x in lp[2]))
+            kv = PromptKV(received.k, received.v, header.first_token, header.seed, first_logprob)
+            seq = self.scheduler.submit(request_id, prompt, req.sampling, kv)
         except BaseException:  # CacheCapacityError: the scheduler never took the arrays
             received.release()
             raise
@@ -167,6 +179,7 @@ class KVHandoff:
             self._check_prompt(received, list(req.prompt_tokens))
             return received
         except KVTransferError as err:
+            self.metrics.on_kv_failed("receive", err.reason)
             if kv.kv_load_failure_policy == "recompute":
                 log_event(events.KV_CONSUMER_RECOMPUTE, f"running the prefill of {len(req.prompt_tokens)} tokens here instead: {err.message}",
                           "WARNING", transfer_id=params.transfer_id, reason=err.reason, prompt_tokens=len(req.prompt_tokens))

@@ -19,6 +19,7 @@ import numpy as np
 
 from stack.common import events
 from stack.common.logging import log_event
+from stack.engine.metrics import EngineMetrics
 from stack.engine import kv_wire
 from stack.engine.errors import KVTransferError
 from stack.engine.kv_wire import KVHeader, Reply, WireError
@@ -70,7 +71,8 @@ class ReceivedKV:
 class KVConsumer:
     """The decode side's KV listener and receive buffer."""
 
-    def __init__(self, *, fingerprint: str, buffer_size: int, lease_ms: int) -> None:
+    def __init__(self, *, fingerprint: str, buffer_size: int, lease_ms: int, metrics: EngineMetrics | None = None) -> None:
+        self.metrics = metrics or EngineMetrics()
         self.fingerprint = fingerprint
         self.buffer_size = buffer_size
         self.lease_ms = lease_ms
@@ -156,12 +158,14 @@ class KVConsumer:
                    "prefill and decode must load the same checkpoint and seed")
             log_event(events.KV_CONSUMER_FINGERPRINT_MISMATCH, msg, "ERROR", request_id=rid, transfer_id=tid,
                       local=self.fingerprint, remote=header.fingerprint, peer=peer)
+            self.metrics.on_kv_failed("receive", "fingerprint_mismatch")
             return Reply(False, "fingerprint_mismatch", msg, {"local": self.fingerprint, "remote": header.fingerprint})
         if self.buffer_used + header.total_bytes > self.buffer_size:
             msg = (f"KV transfer of {header.total_bytes} bytes ({header.num_tokens} tokens) does not fit the receive buffer: "
                    f"kv_buffer_size={self.buffer_size} bytes, {self.buffer_used} in use")
             log_event(events.KV_CONSUMER_BUFFER_FULL, msg, "ERROR", request_id=rid, transfer_id=tid, bytes=header.total_bytes,
                       kv_buffer_size=self.buffer_size, buffer_used=self.buffer_used, peer=peer)
+            self.metrics.on_kv_failed("receive", "buffer_full")
             return Reply(False, "buffer_full", msg, {"bytes": header.total_bytes, "kv_buffer_size": self.buffer_size, "buffer_used": self.buffer_used})
         if tid in self._held or tid in self._inflight:
             return self._protocol_error(rid, tid, peer, "duplicate_transfer", f"transfer id {tid} is already held or arriving")
@@ -210,8 +214,10 @@ class KVConsumer:
                    f"{'KV'[i % 2]}: expected {header.checksums[i]}, got {actual[i]}); the KV was dropped")
             log_event(events.KV_CONSUMER_CHECKSUM_MISMATCH, msg, "ERROR", request_id=rid, transfer_id=tid,
                       expected=header.checksums[i], actual=actual[i], bad_segments=len(bad), peer=peer)
+            self.metrics.on_kv_failed("receive", "checksum_mismatch")
             return Reply(False, "checksum_mismatch", msg, {"expected": header.checksums[i], "actual": actual[i]})
         received = ReceivedKV(header, arrays, peer, self)
+        self.metrics.on_kv_received(header.total_bytes, receive_s)
         gbps = round(header.total_bytes / max(receive_s, 1e-9) / 1e9, 3)
         log_event(events.KV_CONSUMER_RECEIVED, f"received {header.num_tokens} tokens of KV ({header.total_bytes} bytes) from {peer}",
                   request_id=rid, transfer_id=tid, num_tokens=header.num_tokens, bytes=header.total_bytes, peer=peer,
@@ -228,6 +234,7 @@ class KVConsumer:
         """The connection closed mid-payload: drop the reservation."""
         self._inflight.discard(header.transfer_id)
         self.free(header, arrays)
+        self.metrics.on_kv_failed("receive", "incomplete")
         log_event(events.KV_CONSUMER_INCOMPLETE, f"KV connection from {peer} closed after {received_bytes} of {header.total_bytes} payload bytes",
                   "ERROR", request_id=header.request_id, transfer_id=header.transfer_id, received=received_bytes,
                   bytes=header.total_bytes, peer=peer)
@@ -246,6 +253,7 @@ class KVConsumer:
         if received is None:
             return
         received.release()
+        self.metrics.on_kv_failed("receive", "lease_expired")
         log_event(events.KV_CONSUMER_LEASE_EXPIRED,
                   f"freed {received.header.total_bytes} bytes of KV for transfer {tid}: no decode request claimed it within kv_lease_ms={self.lease_ms}",
                   "WARNING", request_id=received.header.request_id, transfer_id=tid, bytes=received.header.total_bytes,

@@ -58,7 +58,11 @@ class KVProducer:
         )
         started = time.perf_counter()
         try:
-            reply = await asyncio.to_thread(_push_blocking, split_addr(decode_kv_addr), header.encode(), payload, self.io_timeout_s)
+            # The name lookup is bounded too: socket.create_connection's timeout does not cover getaddrinfo, and a decode
+            # whose container is gone costs the resolver ~10 s of retries. The whole push is bounded (each step and the sum).
+            addr = await _resolve(split_addr(decode_kv_addr), self.io_timeout_s)
+            reply = await asyncio.wait_for(asyncio.to_thread(_push_blocking, addr, header.encode(), payload, self.io_timeout_s),
+                                           timeout=3 * self.io_timeout_s)
         except _ConnectFailed as exc:
             log_event(
                 events.KV_PRODUCER_CONNECT_FAILED, f"cannot connect to decode KV address {decode_kv_addr}: {exc.error}", "ERROR",
@@ -67,8 +71,8 @@ class KVProducer:
             raise KVTransferError(
                 "connect_failed", f"cannot push KV to decode_kv_addr {decode_kv_addr}: {exc.error}", decode_kv_addr=decode_kv_addr
             ) from None
-        except (OSError, WireError, ValueError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
+        except (OSError, WireError, ValueError, asyncio.TimeoutError) as exc:
+            error = f"{type(exc).__name__}: {exc or 'the push did not finish in time'}"
             log_event(events.KV_PRODUCER_FAILED, f"KV push to {decode_kv_addr} broke: {error}", "ERROR",
                       transfer_id=tid, decode_kv_addr=decode_kv_addr, error=error)
             raise KVTransferError("io_error", f"KV push to decode_kv_addr {decode_kv_addr} failed: {error}", decode_kv_addr=decode_kv_addr) from None
@@ -94,6 +98,18 @@ class _ConnectFailed(Exception):
     def __init__(self, error: str) -> None:
         super().__init__(error)
         self.error = error
+
+
+async def _resolve(addr: tuple[str, int], timeout: float) -> tuple[str, int]:
+    """host:port → a connectable (ip, port) within `timeout`, or _ConnectFailed."""
+    host, port = addr
+    try:
+        infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM), timeout)
+    except asyncio.TimeoutError:
+        raise _ConnectFailed(f"gaierror: name resolution of {host!r} took longer than {timeout:g}s") from None
+    except OSError as exc:
+        raise _ConnectFailed(f"{type(exc).__name__}: {exc.strerror or exc}") from None
+    return infos[0][4][0], infos[0][4][1]
 
 
 def _push_blocking(addr: tuple[str, int], header: bytes, payload: list[np.ndarray], timeout: float) -> Reply:

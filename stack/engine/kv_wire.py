@@ -59,6 +59,7 @@ class KVHeader:
     checksum_algo: str = CHECKSUM_ALGO
     checksums: tuple[str, ...] = field(default_factory=tuple)  # per segment: K0, V0, K1, V1, …
     version: int = VERSION
+    first_logprob: tuple[Any, ...] | None = None  # [token, logprob, [[id, logprob], …]] when the request asked for logprobs
 
     @property
     def layer_shape(self) -> tuple[int, int, int]:

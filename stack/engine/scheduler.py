@@ -34,11 +34,22 @@ from loguru import logger
 
 from stack.common import events
 from stack.common.logging import log_event
+from stack.engine.grammar import Constraint
 from stack.engine.kv_cache import KVCache, KVPool
+from stack.engine.metrics import EngineMetrics
 from stack.engine.model import Model, Segment, forward
 from stack.engine.protocol import SamplingParams
-from stack.engine.sampling import sample
+from stack.engine.sampling import adjust, logprobs, sample
 from stack.engine.tokenizer import IncrementalDecoder
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token's log-probability and the most likely alternatives (raw model distribution)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,7 @@ class Output:
     text: str
     num_tokens: int  # completion tokens so far
     finish_reason: str | None = None  # stop | length | abort | error
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens sampled since the last output (params.logprobs set)
 
 
 @dataclass(frozen=True)
@@ -58,6 +70,7 @@ class PromptKV:
     v: np.ndarray  # (n_layers, len(prompt), n_kv_heads, head_dim)
     first_token: int  # sampled from the last prompt position (generation step 0)
     seed: int  # the sampling seed of that token; the continuation keeps drawing from the same stream
+    first_logprob: TokenLogprob | None = None  # that token's logprobs, when the request asked for them
 
 
 @dataclass(eq=False)
@@ -81,8 +94,15 @@ class Sequence:
     queued_logged: bool = False
     arrival: float = field(default_factory=time.perf_counter)
     prefill_started: float | None = None
+    first_token_at: float = 0.0  # perf_counter times of its first and latest token (metrics)
+    last_token_at: float = 0.0
     outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
     detok: IncrementalDecoder | None = None
+    choice: int = 0  # index among the request's n choices (its own seed stream)
+    constraint: Constraint | None = None  # the grammar the output follows (params.grammar)
+    counts: np.ndarray | None = None  # (vocab,) int32 output token counts, for the penalties
+    in_prompt: np.ndarray | None = None  # (vocab,) bool prompt tokens, for repetition_penalty
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet emitted
 
     @property
     def finished(self) -> bool:
@@ -114,7 +134,9 @@ class _Work:
 class Scheduler:
     """Owns the KV pool and the step loop; `submit` or `prefill` sequences, read `seq.outputs`, `cancel` them."""
 
-    def __init__(self, model: Model, pool: KVPool, *, max_num_batched_tokens: int, max_num_seqs: int, chunked_prefill: bool) -> None:
+    def __init__(self, model: Model, pool: KVPool, *, max_num_batched_tokens: int, max_num_seqs: int, chunked_prefill: bool,
+                 metrics: EngineMetrics | None = None) -> None:
+        self.metrics = metrics or EngineMetrics()
         self.model = model
         self.pool = pool
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -149,7 +171,7 @@ class Scheduler:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, kv: PromptKV | None = None) -> Sequence:
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, kv: PromptKV | None = None, choice: int = 0) -> Sequence:
         """Queue a request (raises CacheCapacityError if it can never fit); read `seq.outputs`.
 
         With `kv` the prompt is not run here: decoding continues from those arrays and first token.
@@ -159,7 +181,7 @@ class Scheduler:
             cfg = self.model.config
             shape = (cfg.n_layers, len(prompt), cfg.n_kv_heads, cfg.head_dim)
             assert kv.k.shape == kv.v.shape == shape, f"prompt KV of shape {kv.k.shape}, {kv.v.shape}; expected {shape}"
-        return self._queue(request_id, prompt, params, kv, keeps_cache=False)
+        return self._queue(request_id, prompt, params, kv, keeps_cache=False, choice=choice)
 
     async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams) -> Prefilled:
         """Run `prompt` to its first token (sampled as `submit` would) and lend out its KV.
@@ -180,7 +202,8 @@ class Scheduler:
         if cache is None:  # error or abort: nothing was kept
             return Prefilled(out, None, release)
         n = len(prompt)
-        return Prefilled(out, PromptKV(cache.k[:, :n], cache.v[:, :n], seq.output[0], seq.seed), release)
+        first_logprob = out.logprobs[0] if out.logprobs else None
+        return Prefilled(out, PromptKV(cache.k[:, :n], cache.v[:, :n], seq.output[0], seq.seed, first_logprob), release)
 
     def cancel(self, seq: Sequence) -> None:
         """The client went away: stop the sequence and free its KV before the next step."""
@@ -197,7 +220,8 @@ class Scheduler:
             "kv_total_blocks": self.pool.total_blocks,
         }
 
-    def _queue(self, request_id: str, prompt: list[int], params: SamplingParams, kv: PromptKV | None, *, keeps_cache: bool) -> Sequence:
+    def _queue(self, request_id: str, prompt: list[int], params: SamplingParams, kv: PromptKV | None, *, keeps_cache: bool,
+               choice: int = 0) -> Sequence:
         self.pool.check_fits(len(prompt) + params.max_tokens)
         if kv is not None:
             seed = kv.seed
@@ -206,8 +230,16 @@ class Scheduler:
         kv_read = asyncio.get_running_loop().create_future()
         if kv is None:
             kv_read.set_result(None)
-        seq = Sequence(request_id, list(prompt), params, seed, kv_read, start_kv=kv, keeps_cache=keeps_cache)
+        seq = Sequence(request_id, list(prompt), params, seed, kv_read, start_kv=kv, keeps_cache=keeps_cache, choice=choice)
         seq.detok = IncrementalDecoder(self.model.tokenizer, context=prompt)
+        vocab = self.model.config.vocab_size
+        if params.grammar is not None:
+            seq.constraint = Constraint(params.grammar, self.model.tokenizer, vocab)
+        if params.penalised:
+            seq.counts = np.zeros(vocab, np.int32)  # (vocab,)
+            if params.repetition_penalty != 1:
+                seq.in_prompt = np.zeros(vocab, bool)  # (vocab,)
+                seq.in_prompt[np.asarray(prompt, dtype=np.int64)] = True
         self.waiting.append(seq)
         self._wake.set()
         return seq
@@ -228,7 +260,10 @@ class Scheduler:
                 await self._wake.wait()
                 continue
             try:
+                started = time.perf_counter()
                 tokens = await loop.run_in_executor(self._executor, self._execute, work)
+                self.metrics.on_step(sum(len(w.segment.tokens) for w in work if w.seq.prefilling), sum(not w.seq.prefilling for w in work),
+                                     time.perf_counter() - started)
             except Exception:  # a bug in the forward: fail this batch, keep serving
                 logger.bind(event=events.ENGINE_STEP_FAILED, sequences=len(work)).opt(exception=True).error(
                     "engine step failed; its sequences end with an error")
@@ -297,16 +332,29 @@ class Scheduler:
         tokens = np.asarray(seq.prompt[start : start + chunk])  # (chunk,)
         return _Work(seq, Segment(tokens, seq.cache, start), samples=start + chunk == len(seq.prompt))
 
-    def _execute(self, work: list[_Work]) -> list[int | None]:
+    def _execute(self, work: list[_Work]) -> list[tuple[int, TokenLogprob | None] | None]:
         """Worker thread: one forward over the whole batch, then sample where a token is due."""
         logits = forward(self.model, [w.segment for w in work])  # (len(work), vocab)
-        out: list[int | None] = []
-        for w, row in zip(work, logits):
-            p = w.seq.params
-            out.append(sample(row, p.temperature, p.top_p, w.seq.seed, len(w.seq.output)) if w.samples else None)
-        return out
+        return [self._sample(w.seq, row) if w.samples else None for w, row in zip(work, logits)]
 
-    def _commit(self, work: list[_Work], tokens: list[int | None]) -> None:
+    def _sample(self, seq: Sequence, row: np.ndarray) -> tuple[int, TokenLogprob | None]:
+        """(vocab,) raw logits -> the next token of `seq` (and its logprobs if asked for)."""
+        p, step = seq.params, len(seq.output)
+        banned = None
+        if step < p.min_tokens:  # vLLM's min_tokens: no EOS and no stop_token_ids yet
+            banned = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.model.tokenizer.stop_ids)
+        processed = row
+        if p.logit_bias or banned or seq.counts is not None or seq.constraint is not None:
+            processed = adjust(row, bias=p.logit_bias, banned=banned, counts=seq.counts, in_prompt=seq.in_prompt,
+                               repetition=p.repetition_penalty, frequency=p.frequency_penalty, presence=p.presence_penalty,
+                               allowed=None if seq.constraint is None else seq.constraint.allowed())
+        token = sample(processed, p.temperature, p.top_p, seq.seed, step, top_k=p.top_k, min_p=p.min_p, choice=seq.choice)
+        if p.logprobs is None:
+            return token, None
+        chosen, top = logprobs(row, token, p.logprobs)
+        return token, TokenLogprob(token, chosen, top)
+
+    def _commit(self, work: list[_Work], tokens: list[tuple[int, TokenLogprob | None] | None]) -> None:
         for item, token in zip(work, tokens):
             seq = item.seq
             if seq.finished:
@@ -314,9 +362,10 @@ class Scheduler:
             if seq.prefilling:
                 seq.num_computed += len(item.segment.tokens)
                 if not seq.prefilling:
+                    self.metrics.on_prefill_done(seq, time.perf_counter())
                     self._log_prefill_done(seq)
             if token is not None and not seq.cancelled:
-                self._append_token(seq, token)
+                self._append_token(seq, *token)
 
     # -- per-sequence transitions ----------------------------------------------------------------
 
@@ -330,7 +379,7 @@ class Scheduler:
         cache.set_length(n)
         self._drop_start_kv(seq)
         seq.num_computed = n
-        self._append_token(seq, kv.first_token)
+        self._append_token(seq, kv.first_token, kv.first_logprob)
 
     def _drop_start_kv(self, seq: Sequence) -> None:
         """The given arrays are no longer read; their owner may reuse them."""
@@ -338,14 +387,23 @@ class Scheduler:
         if not seq.kv_read.done():
             seq.kv_read.set_result(None)
 
-    def _append_token(self, seq: Sequence, token: int) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> None:
         seq.output.append(token)
+        now = time.perf_counter()
+        self.metrics.on_token(seq, now)
+        seq.first_token_at, seq.last_token_at = seq.first_token_at or now, now
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        if seq.counts is not None:
+            seq.counts[token] += 1
+        if seq.constraint is not None:
+            seq.constraint.consume(token)  # the first token of a PD decode leg too: it came from prefill
         if len(seq.output) == 1:
             log_event(events.ENGINE_FIRST_TOKEN, "first token", request_id=seq.request_id,
                       ttft_ms=round((time.perf_counter() - seq.arrival) * 1000, 2))
         stops = seq.params.stop
         assert seq.detok is not None
-        if token in self.model.tokenizer.stop_ids and not seq.params.ignore_eos:
+        if (token in self.model.tokenizer.stop_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
             seq.text += seq.detok.flush()
             self._finish(seq, "stop")
             return
@@ -365,7 +423,13 @@ class Scheduler:
         safe = len(seq.text) - (max(map(len, stops)) - 1 if stops else 0)
         new = seq.text[seq.sent : max(safe, seq.sent)]
         seq.sent += len(new)
-        seq.outputs.put_nowait(Output(new, len(seq.output)))
+        seq.outputs.put_nowait(Output(new, len(seq.output), logprobs=self._take_logprobs(seq)))
+
+    @staticmethod
+    def _take_logprobs(seq: Sequence) -> tuple[TokenLogprob, ...]:
+        taken = tuple(seq.logprobs)
+        seq.logprobs.clear()
+        return taken
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.finished:
@@ -378,7 +442,8 @@ class Scheduler:
             self.pool.free(seq.cache)  # a finished `prefill` keeps it until Prefilled.release
             seq.cache = None
         self._drop_start_kv(seq)
-        seq.outputs.put_nowait(Output(tail, len(seq.output), reason))
+        self.metrics.on_finish(seq, reason, time.perf_counter())
+        seq.outputs.put_nowait(Output(tail, len(seq.output), reason, self._take_logprobs(seq)))
         if reason in ("stop", "length"):
             log_event(events.ENGINE_REQUEST_FINISHED, f"finished ({reason}) after {len(seq.output)} tokens", request_id=seq.request_id,
                       prompt_tokens=len(seq.prompt), completion_tokens=len(seq.output), finish_reason=reason,

@@ -1,4 +1,4 @@
-"""The engine's HTTP face: OpenAI chat/completions (streamed or not), /v1/models, /tokenize, /health.
+"""The engine's HTTP face: OpenAI chat/completions (streamed or not, n choices), /v1/models, /tokenize, /detokenize, /health.
 
 `create_app(config, model)` wires the scheduler and the KV hand-off into one aiohttp app (state in
 `web.AppKey`s, started and stopped in `cleanup_ctx`). A generation request is parsed here, then
@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from stack.common import events
+from stack.common import events, internal_auth
 from stack.common.errors import (
     REQUEST_ID, REQUEST_ID_HEADER, APIError, InvalidRequest, Overloaded, ServerError, UpstreamError, UpstreamTimeout,
     error_middleware, openai_error_body, request_id_middleware,
@@ -29,8 +29,10 @@ from stack.engine.config import EngineConfig
 from stack.engine.errors import CacheCapacityError, KVTransferError
 from stack.engine.handoff import KVHandoff, pd_leg
 from stack.engine.kv_cache import KVPool
+from stack.engine.metrics import EngineMetrics
 from stack.engine.model import Model
 from stack.engine.protocol import CompletionRequest, Kind, ResponseIds
+from stack.engine.choices import Choice
 from stack.engine.scheduler import Output, Scheduler, Sequence
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
@@ -56,18 +58,22 @@ ENGINE = web.AppKey("engine", Engine)
 def create_app(config: EngineConfig, model: Model) -> web.Application:
     max_model_len = min(config.max_model_len or model.config.max_seq_len, model.config.max_seq_len)
     pool = KVPool(model.config, config.pool_bytes, config.block_size)
+    metrics = EngineMetrics(config.model)
     scheduler = Scheduler(model, pool, max_num_batched_tokens=config.max_num_batched_tokens,
-                          max_num_seqs=config.max_num_seqs, chunked_prefill=config.chunked_prefill)
-    engine = Engine(config, model, scheduler, KVHandoff(config, model, scheduler), max_model_len, int(time.time()))
+                          max_num_seqs=config.max_num_seqs, chunked_prefill=config.chunked_prefill, metrics=metrics)
+    engine = Engine(config, model, scheduler, KVHandoff(config, model, scheduler, metrics), max_model_len, int(time.time()))
+    metrics.watch(scheduler, engine.handoff.consumer)
 
-    app = web.Application(middlewares=[request_id_middleware, error_middleware()], client_max_size=16 * 1024 * 1024)
+    app = web.Application(middlewares=[request_id_middleware, internal_auth.middleware(), error_middleware()], client_max_size=16 * 1024 * 1024)
     app[ENGINE] = engine
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_text)
     return app
 
 
@@ -113,12 +119,27 @@ async def tokenize(request: web.Request) -> web.Response:
     return web.json_response({"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens, "token_strs": None})
 
 
+async def detokenize(request: web.Request) -> web.Response:
+    """POST /detokenize (vLLM's: vllm/entrypoints/openai/protocol.py `DetokenizeRequest` -> `DetokenizeResponse` {prompt})."""
+    engine = request.app[ENGINE]
+    data = protocol.parse_json(await request.read())
+    tokens = protocol.parse_detokenize(data, model_id=engine.config.model, tokenizer=engine.model.tokenizer)
+    return web.json_response({"prompt": engine.model.tokenizer.decode(tokens)})
+
+
 async def health(request: web.Request) -> web.Response:
     """200 once warm (503 before), with the load numbers a router may use."""
     engine = request.app[ENGINE]
     body = {"status": "ok" if engine.ready else "starting", "role": engine.config.role, "model": engine.config.model,
-            "fingerprint": engine.model.fingerprint, **engine.scheduler.load(), **engine.handoff.health()}
+            "fingerprint": engine.model.fingerprint, "capabilities": protocol.capability_names(),
+            "max_model_len": engine.max_model_len, **engine.scheduler.load(), **engine.handoff.health()}
     return web.json_response(body, status=200 if engine.ready else 503)
+
+
+async def metrics_text(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text (vLLM's names where vLLM has the metric; stack/engine/metrics.py)."""
+    body, content_type = request.app[ENGINE].scheduler.metrics.render()
+    return web.Response(body=body.encode(), headers={"Content-Type": content_type})
 
 
 class _ClientGone(Exception):
@@ -136,70 +157,97 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     log_event(events.ENGINE_REQUEST_RECEIVED, f"{kind} request: {len(req.prompt_tokens)} prompt tokens" + (f", PD {leg} leg" if leg else ""),
               prompt_tokens=len(req.prompt_tokens), max_tokens=max_tokens, stream=req.stream,
               role=engine.config.role, pd_leg=leg, transfer_id=kv.transfer_id if kv else None)
+    seqs: list[Sequence] = []
     try:
         if leg == "prefill":  # stream=false (parse_request): the whole leg, KV push included, then one body
             prefilled = await _unless_client_gone(request, engine.handoff.prefill(request_id, req))
-            out = prefilled.output
-            return _completion(request, engine, req, out.text, out, kv_transfer_params=prefilled.kv_transfer_params)
+            choice = Choice(req, 0, engine.model.tokenizer)
+            choice.add(prefilled.output)
+            return _completion(request, engine, req, [choice], [prefilled.output], kv_transfer_params=prefilled.kv_transfer_params)
         if leg == "decode":
-            seq = await _unless_client_gone(request, engine.handoff.decode(request_id, req))
+            seqs.append(await _unless_client_gone(request, engine.handoff.decode(request_id, req)))
         else:
-            seq = engine.scheduler.submit(request_id, list(req.prompt_tokens), req.sampling)
+            for i in range(req.n):
+                seqs.append(engine.scheduler.submit(request_id, list(req.prompt_tokens), req.sampling, choice=i))
     except (KVTransferError, CacheCapacityError) as err:
+        for seq in seqs:
+            engine.scheduler.cancel(seq)
         raise _api_error(err, req) from None
     except _ClientGone:
         return web.Response(status=499)  # nginx's "client closed request"; nobody reads it
     try:
         if req.stream:
-            return await _stream(request, engine, req, seq)
-        return await _complete(request, engine, req, seq)
+            return await _stream(request, engine, req, seqs)
+        return await _complete(request, engine, req, seqs)
     except _ClientGone:
         return web.Response(status=499)
     finally:
-        engine.scheduler.cancel(seq)  # no-op when it finished
+        for seq in seqs:
+            engine.scheduler.cancel(seq)  # no-op when it finished
 
 
-async def _complete(request: web.Request, engine: Engine, req: CompletionRequest, seq: Sequence) -> web.Response:
-    text, out = "", None
-    async for out in _outputs(request, seq):
-        text += out.text
-    assert out is not None, "output stream ended without a finish"
-    return _completion(request, engine, req, text, out)
+async def _complete(request: web.Request, engine: Engine, req: CompletionRequest, seqs: list[Sequence]) -> web.Response:
+    choices = [Choice(req, i, engine.model.tokenizer) for i in range(len(seqs))]
+    lasts: list[Output] = []
+    for choice, seq in zip(choices, seqs):
+        out = None
+        async for out in _outputs(request, seq):
+            choice.add(out)
+        assert out is not None, "output stream ended without a finish"
+        lasts.append(out)
+    return _completion(request, engine, req, choices, lasts)
 
 
-def _completion(request: web.Request, engine: Engine, req: CompletionRequest, text: str, out: Output, **extra: Any) -> web.Response:
-    """The non-streamed body for `text` ending with `out`; `extra` adds top-level keys (kv_transfer_params)."""
-    _raise_if_failed(out)
-    assert out.finish_reason is not None, "a completion body needs the last output"
+def _completion(request: web.Request, engine: Engine, req: CompletionRequest, choices: list[Choice], lasts: list[Output],
+                **extra: Any) -> web.Response:
+    """The non-streamed body of `choices` (each ended by its output in `lasts`); `extra` adds top-level keys (kv_transfer_params)."""
+    for out in lasts:
+        _raise_if_failed(out)
     ids = ResponseIds.new(req.kind, request[REQUEST_ID], engine.config.model)
-    body = protocol.completion_body(req.kind, ids, text, out.finish_reason, len(req.prompt_tokens), out.num_tokens)
+    body = protocol.completion_body(req.kind, ids, [c.body() for c in choices], len(req.prompt_tokens), sum(o.num_tokens for o in lasts))
     return web.json_response(body | extra)
 
 
-async def _stream(request: web.Request, engine: Engine, req: CompletionRequest, seq: Sequence) -> web.StreamResponse:
+async def _stream(request: web.Request, engine: Engine, req: CompletionRequest, seqs: list[Sequence]) -> web.StreamResponse:
     ids = ResponseIds.new(req.kind, request[REQUEST_ID], engine.config.model)
-    outputs = _outputs(request, seq)
-    first_output = await anext(outputs)  # before the 200 goes out: an engine error can still be a status
-    _raise_if_failed(first_output)
-    stream = await open_stream(request, {REQUEST_ID_HEADER: request[REQUEST_ID]})
-    first, out = True, first_output
+    merged: asyncio.Queue[tuple[int, Output]] = asyncio.Queue()
+    pumps = [asyncio.ensure_future(_pump(i, seq, merged)) for i, seq in enumerate(seqs)]
+    choices = [Choice(req, i, engine.model.tokenizer) for i in range(len(seqs))]
     try:
-        while True:
-            if out.finish_reason in ("error", "abort"):
-                await send_event(stream, openai_error_body(ServerError(f"generation ended early ({out.finish_reason}); see the engine log")))
-                break
-            if first or out.text or out.finish_reason:
-                await send_event(stream, protocol.chunk_body(req.kind, ids, out.text, out.finish_reason, first))
-                first = False
-            if out.finish_reason:
-                if req.include_usage:
-                    await send_event(stream, protocol.usage_chunk(req.kind, ids, len(req.prompt_tokens), out.num_tokens))
-                break
-            out = await anext(outputs)
-        await send_done(stream)
-    except (ConnectionResetError, _ClientGone):
-        pass  # the client went away mid-stream; _generate's finally cancels the sequence
-    return stream
+        index, out = await _unless_client_gone(request, merged.get())  # before the 200 goes out: an engine error can still be a status
+        _raise_if_failed(out)
+        stream = await open_stream(request, {REQUEST_ID_HEADER: request[REQUEST_ID]})
+        done, completion_tokens = 0, 0
+        try:
+            while True:
+                if out.finish_reason in ("error", "abort"):
+                    await send_event(stream, openai_error_body(ServerError(f"generation ended early ({out.finish_reason}); see the engine log")))
+                    break
+                for chunk in choices[index].chunks(out, ids):
+                    await send_event(stream, chunk)
+                if out.finish_reason:
+                    done += 1
+                    completion_tokens += out.num_tokens
+                    if done == len(seqs):
+                        if req.include_usage:
+                            await send_event(stream, protocol.usage_chunk(req.kind, ids, len(req.prompt_tokens), completion_tokens))
+                        break
+                index, out = await _unless_client_gone(request, merged.get())
+            await send_done(stream)
+        except (ConnectionResetError, _ClientGone):
+            pass  # the client went away mid-stream; _generate's finally cancels the sequences
+        return stream
+    finally:
+        for pump in pumps:
+            pump.cancel()
+
+
+async def _pump(index: int, seq: Sequence, merged: asyncio.Queue[tuple[int, Output]]) -> None:
+    while True:
+        out = await seq.outputs.get()
+        merged.put_nowait((index, out))
+        if out.finish_reason is not None:
+            return
 
 
 async def _outputs(request: web.Request, seq: Sequence) -> AsyncIterator[Output]:

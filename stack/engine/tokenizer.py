@@ -7,15 +7,45 @@ streaming without ever emitting half a UTF-8 character.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from datetime import datetime
+from functools import lru_cache
+from typing import Any
 
 from stack.engine.errors import ChatTemplateError
 
 # The simple template used when a checkpoint has none (and always for the byte tokenizer):
 #   {bos}<|system|>...{eos}<|user|>...{eos}<|assistant|>   (the last marker only with a generation prompt)
 ROLE_MARKERS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>", "tool": "<|tool|>"}
+
+# The dummy models' Jinja template: the simple one above when there are no tools (same tokens), and
+# Hermes / Qwen2.5-style tool use otherwise (Qwen/Qwen2.5-7B-Instruct tokenizer_config.json): the tools
+# as JSON lines in <tools></tools> in the system turn, calls as <tool_call>{json}</tool_call> in the
+# assistant turn, results as <tool_response></tool_response> (vLLM's `hermes` parser reads these calls).
+BYTE_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if tools %}"
+    "{{ '<|system|>' }}{% if messages and messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}{{ '\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>{{ eos_token }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' %}{% if not (tools and loop.first) %}<|system|>{{ message.content }}{{ eos_token }}{% endif %}"
+    "{%- elif message.role == 'assistant' %}<|assistant|>{{ message.content }}"
+    "{%- for call in message.tool_calls or [] %}{% if message.content or not loop.first %}{{ '\n' }}{% endif %}"
+    "<tool_call>\n{\"name\": {{ call.function.name | tojson }}, \"arguments\": {{ call.function.arguments | tojson }}}\n</tool_call>"
+    "{%- endfor %}{{ eos_token }}"
+    "{%- elif message.role == 'tool' %}<|tool|><tool_response>\n{{ message.content }}\n</tool_response>{{ eos_token }}"
+    "{%- else %}<|user|>{{ message.content }}{{ eos_token }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 class Tokenizer:
@@ -39,16 +69,22 @@ class Tokenizer:
     def vocab_size(self) -> int:
         raise NotImplementedError
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for chat `messages` ({role, content}); includes the bos token itself,
-        so encode the result with `add_special_tokens=False` (or use `encode_chat`).
-        Raises `ChatTemplateError` when the checkpoint's template rejects the messages."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The prompt text for chat `messages` ({role, content, tool_calls…}) and `tools` (HF's shape);
+        includes the bos token itself, so encode the result with `add_special_tokens=False` (or use
+        `encode_chat`). Raises `ChatTemplateError` when the checkpoint's template rejects the messages."""
         if self.chat_template is None:
+            if tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+                raise ChatTemplateError("this checkpoint has no chat template, so it cannot be given tools or tool messages")
             return self._simple_template(messages, add_generation_prompt)
-        return _render_jinja(self.chat_template, messages, add_generation_prompt, self.bos_token, self.eos_token)
+        return _render_jinja(self.chat_template, messages, add_generation_prompt, self.bos_token, self.eos_token, tools)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token stands for (OpenAI logprobs' `bytes`)."""
+        return self.decode([token_id]).encode("utf-8")
 
     def _simple_template(self, messages: list[dict], add_generation_prompt: bool) -> str:
         parts = [self.bos_token]
@@ -70,6 +106,7 @@ class ByteTokenizer(Tokenizer):
         self.bos_token, self.eos_token = "<|bos|>", "<|eos|>"
         self.bos_id, self.eos_id = self.special_ids["<|bos|>"], self.special_ids["<|eos|>"]
         self.stop_ids = frozenset({self.eos_id})
+        self.chat_template = BYTE_CHAT_TEMPLATE
         self._split = re.compile("(" + "|".join(re.escape(s) for s in self.SPECIALS) + ")")
 
     @property
@@ -87,6 +124,9 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(int(i) for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if token_id < 256 else self.SPECIALS[token_id - 256].encode()
 
 
 class HFTokenizer(Tokenizer):
@@ -112,6 +152,10 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def to_json(self) -> str:
+        """The tokenizer.json text (what llguidance builds its token trie from)."""
+        return self._tok.to_str()
 
 
 class IncrementalDecoder:
@@ -169,9 +213,8 @@ def _pick_template(template: object) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _render_jinja(template: str, messages: list[dict], add_generation_prompt: bool, bos: str, eos: str) -> str:
-    """Render an HF chat template the way transformers does (sandboxed, trim/lstrip blocks)."""
-    from jinja2.exceptions import TemplateError
+@lru_cache(maxsize=8)
+def _compiled(template: str) -> Any:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
@@ -180,10 +223,35 @@ def _render_jinja(template: str, messages: list[dict], add_generation_prompt: bo
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # Llama 3.x templates call it
-    messages = [{**m, "content": _content_text(m.get("content"))} for m in messages]
+    # transformers' own tojson: no HTML escaping of <, >, & (Jinja's default would garble tool JSON)
+    env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False, ensure_ascii=False: json.dumps(
+        x, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+    return env.from_string(template)
+
+
+def _template_message(m: dict) -> dict:
+    """A message as HF templates expect it: text content, tool-call arguments as objects (vLLM parses them too)."""
+    out = {**m, "content": _content_text(m.get("content"))}
+    if m.get("tool_calls"):
+        calls = []
+        for call in m["tool_calls"]:
+            args: Any = call["function"]["arguments"]
+            try:
+                args = json.loads(args) if isinstance(args, str) else args
+            except json.JSONDecodeError:
+                pass  # not JSON: the template gets the text
+            calls.append({**call, "function": {**call["function"], "arguments": args}})
+        out["tool_calls"] = calls
+    return out
+
+
+def _render_jinja(template: str, messages: list[dict], add_generation_prompt: bool, bos: str, eos: str,
+                  tools: list[dict] | None = None) -> str:
+    """Render an HF chat template the way transformers does (sandboxed, trim/lstrip blocks, `tools`)."""
+    from jinja2.exceptions import TemplateError
+
     try:
-        return env.from_string(template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
-        )
+        return _compiled(template).render(messages=[_template_message(m) for m in messages], tools=tools,
+                                          add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos)
     except TemplateError as exc:
         raise ChatTemplateError(f"chat template failed: {exc}") from exc

@@ -1,9 +1,12 @@
 """The router application: `create_app(config)` wires middlewares, state and routes.
 
-Middlewares, outermost first: request id (X-Request-ID accepted, echoed, logged) → errors (the one
-boundary that turns exceptions into bodies: Anthropic's shape under /v1/messages, OpenAI's
-elsewhere) → guard (the unified key on every /v1 route; per-key limits, usage and the
-`router.request_done` line around generation routes). `/health` and `/metrics` are open.
+Middlewares, outermost first: request id (a fresh one per request; a client's X-Request-ID kept as
+`client_request_id` and echoed in X-Client-Request-ID) → errors (the one boundary that turns
+exceptions into bodies: Anthropic's shape under /v1/messages, OpenAI's elsewhere) → guard (the
+unified key on every /v1 route; on POSTs the body, read within `server.body_timeout_ms` and checked
+against the JSON limits of stack.common.safe_json, before the request counts as in flight; per-key
+limits, usage and the `router.request_done` line around generation routes). `/health` and
+`/metrics` are open.
 """
 
 from __future__ import annotations
@@ -19,16 +22,21 @@ from aiohttp import web
 
 from stack.common import events
 from stack.common.config import ConfigError
-from stack.common.errors import APIError, error_middleware, openai_error_body, request_id_middleware
+from stack.common import internal_auth, safe_json
+from stack.common.errors import (
+    APIError, PayloadTooLarge, RequestTimeout, UnsupportedMediaType, echo_client_request_id,
+    error_middleware, openai_error_body, unique_request_id_middleware,
+)
 from stack.common.logging import log_event
 from stack.router.api import anthropic, openai, responses, tokens
-from stack.router.appkeys import CALLER, CONFIG, KEYRING, LIMITER, METRICS, PD, REGISTRY, STREAM_ERROR, TOKENS, USAGE
+from stack.router.appkeys import CALLER, CONFIG, INTERNAL_KEY, KEYRING, LIMITER, METRICS, PD, REGISTRY, STREAM_ERROR, TOKENS, USAGE
 from stack.router.auth import Caller, KeyRing
 from stack.router.config import RouterConfig, UsageConfig, load_keys_file
 from stack.router.limits import Limiter
 from stack.router.metrics import Metrics
 from stack.router.p2pnccl import Registry
 from stack.router.pd import PDClient
+from stack.router.scheduler import worst_case_s
 from stack.router.upstream import new_session
 from stack.router.usage import UsageStore
 
@@ -54,12 +62,14 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
     api = _GENERATION.get(request.path)
     if api is None:
         request[CALLER] = keyring.authenticate(request.headers)
+        await _read_body(request)
         return await handler(request)
     limiter = request.app[LIMITER]
     started = time.perf_counter()
     status, caller = 500, None
     try:
         request[CALLER] = keyring.authenticate(request.headers)
+        await _read_body(request)  # a body that never arrives must not hold one of the key's slots
         limiter.admit(request[CALLER])
         caller = request[CALLER]
         response = await handler(request)
@@ -77,6 +87,37 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         request.app[METRICS].observe_request(api, status, e2e)  # rejected requests count too
         if caller is not None:
             _request_done(request, api, caller, status, e2e)
+
+
+_THREAD_SCAN_BYTES = 256 * 1024  # bigger bodies are checked in a worker thread (~50 ms a MB)
+
+
+async def _read_body(request: web.Request) -> None:
+    """Read a POST body within body_timeout_ms and check it against safe_json's limits; the handler's own read() then
+    gets it from aiohttp's cache. 408 if it does not arrive, 415 for a Content-Encoding, 400 for JSON past a limit."""
+    if request.method != "POST" or not request.body_exists:
+        return
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported; send the JSON body uncompressed.",
+                                   code="unsupported_content_encoding")
+    server = request.app[CONFIG].server
+    limit = server.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        return  # read_json answers 413 with the precise message, without reading it
+    try:
+        async with asyncio.timeout(server.body_timeout_ms / 1000):
+            raw = await request.read()
+    except TimeoutError:
+        log_event(events.HTTP_BODY_TIMEOUT, f"the request body did not arrive within {server.body_timeout_ms / 1000:g}s", "WARNING",
+                  limit_s=server.body_timeout_ms / 1000)
+        raise RequestTimeout(f"The request body did not arrive within {server.body_timeout_ms / 1000:g} s.", code="body_timeout") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"Request body exceeds {limit} bytes, the most this router accepts.", code="request_too_large") from None
+    if len(raw) > _THREAD_SCAN_BYTES:
+        await asyncio.to_thread(safe_json.check_body, raw)
+    else:
+        safe_json.check_body(raw)
 
 
 def _request_done(request: web.Request, api: str, caller: Caller, status: int, e2e: float) -> None:
@@ -120,13 +161,16 @@ def create_app(config: RouterConfig, env: Mapping[str, str] | None = None) -> we
     """The router app for `config`; keys are read from `env` (default: the process environment)."""
     env = os.environ if env is None else env
     # One byte over the limit is enough for read_json to tell "too large" with its precise message.
-    app = web.Application(middlewares=[request_id_middleware, error_middleware(render_error), guard],
+    app = web.Application(middlewares=[unique_request_id_middleware, error_middleware(render_error), guard],
                           client_max_size=config.server.max_body_bytes + 1)
+    app.on_response_prepare.append(echo_client_request_id)
     app[CONFIG] = config
     app[KEYRING] = KeyRing.from_environment(config, load_keys_file(config), env)
+    app[INTERNAL_KEY] = internal_auth.internal_key(env) or ""
     app[USAGE] = _open_usage(config)
     app[LIMITER] = Limiter(app[USAGE])
     app[METRICS] = Metrics()
+    app[METRICS].add_key_gauges(app[KEYRING].callers, app[USAGE], app[LIMITER])
     if config.p2pnccl.registry_port:  # vLLM P2pNccl engines: the pools are whoever registers, not the configured endpoints
         app[REGISTRY] = _open_registry(config)
     app.cleanup_ctx.append(_lifecycle)
@@ -170,7 +214,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     writer = asyncio.create_task(_write_usage(app[USAGE], config.usage), name="usage-writer")
     # One tuned session (no connection cap, no total timeout: the PD client sets per-leg timeouts).
-    async with new_session() as session:
+    bounds = worst_case_s(config.scheduler)
+    log_event(events.ROUTER_BOUNDS, f"a request ends within {bounds['first_byte_s']:g}s to its first byte, "
+              f"{bounds['non_streamed_s']:g}s non-streamed, {bounds['stream_s']:g}s streamed", worst_case_s=bounds)
+    async with new_session(app[INTERNAL_KEY] or None) as session:
         registry = app.get(REGISTRY)
         pd = PDClient(config, session, app[METRICS])
         app[PD] = pd

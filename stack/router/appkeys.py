@@ -19,6 +19,7 @@ USAGE = web.AppKey("usage", UsageStore)
 METRICS = web.AppKey("metrics", Metrics)
 PD = web.AppKey("pd", PDClient)
 REGISTRY = web.AppKey("p2pnccl_registry", Registry)  # only when [p2pnccl] registry_port is set
+INTERNAL_KEY = web.AppKey("internal_key", str)  # PD_INTERNAL_KEY, sent to the engines; "" = none set
 
 # Per-request state the guard middleware and the handlers share.
 CALLER = web.RequestKey("caller", Caller)  # the authenticated key

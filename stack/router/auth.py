@@ -71,6 +71,10 @@ class KeyRing:
             keys.append((Caller(name, limits), value.strip()))
         return cls(keys, config.taotoken.api_key_env)
 
+    def callers(self) -> list[Caller]:
+        """The configured keys' callers (names and limits; for the per-key metrics)."""
+        return [stored.caller for stored in self._keys]
+
     def authenticate(self, headers: Mapping[str, str]) -> Caller:
         """The caller for these request headers, or Unauthorized with a precise, key-free message."""
         if not self._keys:

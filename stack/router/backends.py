@@ -154,6 +154,14 @@ class Breaker:
     def retry_after_s(self) -> float:
         return max(0.0, self.cooldown_s - (self._clock() - self.opened_at)) if self.state == "open" else 0.0
 
+    def probe_ok(self) -> bool:
+        """The health monitor saw the backend SERVING: an open circuit lets its trial request through now, without
+        waiting out the cool-down (a recovered engine is re-admitted within one health interval). True if it moved."""
+        if self.state != "open":
+            return False
+        self._move("half_open")
+        return True
+
     def on_start(self) -> None:
         if self.state == "half_open":
             self.trial_in_flight = True

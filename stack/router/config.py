@@ -43,12 +43,18 @@ _SECRET_VALUE = re.compile(r"^(Bearer\s+\S+|sk-[A-Za-z0-9_\-]{6,}|sk_[A-Za-z0-9_
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "0.0.0.0"  # where the HTTP API listens
+    host: str = "0.0.0.0"  # where the HTTP API listens (in its container; compose publishes it on ROUTER_BIND, loopback)
     port: int = 8080  # HTTP API port (the one clients use)
     health_port: int = 50052  # gRPC health port (compose health checks)
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies get 413 (long agent contexts fit)
+    # A connection must send a complete request head within this long of opening (or of its last answer), else it is
+    # closed (slowloris, idle sockets). Clients' keep-alive pools (httpx 5 s, undici 4 s) expire sooner.
+    header_timeout_ms: int = 15_000
+    body_timeout_ms: int = 30_000  # the whole body must arrive within this long (then 408); only then does it count as in flight
 
     def __post_init__(self) -> None:
+        check(self.header_timeout_ms >= 1000, "header_timeout_ms", f"must be at least 1000, got {self.header_timeout_ms}")
+        check(self.body_timeout_ms >= 1000, "body_timeout_ms", f"must be at least 1000, got {self.body_timeout_ms}")
         check(0 <= self.port < 65536, "port", f"must be 0..65535, got {self.port}")
         check(0 <= self.health_port < 65536, "health_port", f"must be 0..65535, got {self.health_port}")
         check(self.max_body_bytes >= 1024, "max_body_bytes", f"must be at least 1024, got {self.max_body_bytes}")
@@ -90,8 +96,8 @@ class AuthConfig:
 @dataclass(frozen=True)
 class UsageConfig:
     db_path: str = "data/router-usage.sqlite3"  # SQLite file (relative paths: to the working directory)
-    # Finished requests are written to the file in one transaction per interval; a clean stop writes
-    # the rest, a kill -9 loses at most this much usage (the in-memory totals are always current).
+    # Each finished request is written (one WAL commit) before its slot is freed: a kill -9 loses none whose
+    # `router.request_done` was logged. This interval only paces retries after a failed write (a full disk).
     flush_interval_ms: int = 1000
 
     def __post_init__(self) -> None:

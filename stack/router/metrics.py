@@ -1,114 +1,132 @@
-"""The router's Prometheus metrics, rendered in the text exposition format (no client library).
+"""The router's Prometheus metrics (text exposition from stack.common.metrics, no client library).
 
-Histograms (seconds): `pd_router_ttft_seconds`, `pd_router_itl_seconds`, `pd_router_e2e_seconds`,
+Histograms (seconds): `pd_router_ttft_seconds{mode}`, `pd_router_itl_seconds`, `pd_router_e2e_seconds{api}`,
 `pd_router_prefill_seconds`, `pd_router_kv_handoff_seconds` (decode leg sent → its first chunk:
-KV claim plus first token). Counters: `pd_router_requests_total{api,status}`,
-`pd_router_backend_requests_total{backend,role,outcome}`, `pd_router_retries_total{role}`.
-Gauges are read at scrape time from registered collectors (backend up / in flight / breaker,
-queue depth), so the hot path never touches them.
+KV claim plus first token), `pd_router_tpot_seconds` (per streamed request: (last − first chunk) /
+(chunks − 1), as `vllm bench serve` defines TPOT). Counters: `pd_router_requests_total{api,status}`,
+`pd_router_backend_requests_total{backend,role,outcome}`, `pd_router_retries_total{role}`,
+`pd_router_slo_requests_total{slo="met"|"missed"}` (streamed requests against the TTFT and TPOT SLOs;
+goodput is the rate of `met`). Gauges are read at scrape time from registered collectors (backend
+up / in flight / breaker, queue depth, the SLOs, per-key usage and quota), so the hot path never
+touches them.
+
+SLOs come from the environment (`PD_SLO_TTFT_MS`, `PD_SLO_TPOT_MS`; `SLO.from_env`) and are exported as
+`pd_router_slo_ttft_seconds` / `pd_router_slo_tpot_seconds`, so recording and alert rules compare
+against the router's own numbers instead of copies.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Callable, Iterable
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+from stack.common.config import ConfigError
+from stack.common.metrics import CONTENT_TYPE, Collector, Counter, GaugeSample, Histogram, render_gauges
+
+if TYPE_CHECKING:
+    from stack.router.auth import Caller
+    from stack.router.limits import Limiter
+    from stack.router.usage import UsageStore
+
+__all__ = ["CONTENT_TYPE", "ITL_BUCKETS", "LATENCY_BUCKETS", "SLO", "Counter", "GaugeSample", "Histogram", "Metrics"]
 
 # Latency buckets (s): sub-ms relay overhead up to minutes-long CPU generations.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
-Labels = tuple[tuple[str, str], ...]
-GaugeSample = tuple[str, dict[str, str], float]  # (metric name, labels, value)
 
+@dataclass(frozen=True)
+class SLO:
+    """The latency targets goodput is counted against (design §6: a request meets every given SLO)."""
 
-def _labels(labels: Labels, extra: str = "") -> str:
-    parts = [f'{k}="{v}"'.replace("\n", " ") for k, v in labels] + ([extra] if extra else [])
-    return "{" + ",".join(parts) + "}" if parts else ""
+    ttft_s: float = 2.0  # time to first token; PD_SLO_TTFT_MS
+    tpot_s: float = 0.2  # time per output token after the first; PD_SLO_TPOT_MS
 
-
-def _num(value: float) -> str:
-    return "+Inf" if value == float("inf") else repr(float(value)) if not float(value).is_integer() else str(int(value))
-
-
-class Counter:
-    def __init__(self, name: str, help_: str) -> None:
-        self.name, self.help = name, help_
-        self.values: dict[Labels, float] = {}
-
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        self.values[key] = self.values.get(key, 0.0) + amount
-
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}\n# TYPE {self.name} counter\n"
-        for key, value in self.values.items():
-            yield f"{self.name}{_labels(key)} {_num(value)}\n"
-
-
-class Histogram:
-    def __init__(self, name: str, help_: str, buckets: tuple[float, ...]) -> None:
-        self.name, self.help, self.buckets = name, help_, buckets
-        self.series: dict[Labels, list[float]] = {}  # per label set: bucket counts…, +Inf count, sum
-
-    def observe(self, value: float, **labels: str) -> None:
-        key = tuple(sorted(labels.items())) if labels else ()  # unlabelled: the per-token ITL path
-        series = self.series.get(key)
-        if series is None:
-            series = self.series[key] = [0.0] * (len(self.buckets) + 2)
-        series[bisect.bisect_left(self.buckets, value)] += 1
-        series[-1] += value
-
-    def count(self, **labels: str) -> int:
-        series = self.series.get(tuple(sorted(labels.items())))
-        return int(sum(series[:-1])) if series else 0
-
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}\n# TYPE {self.name} histogram\n"
-        for key, series in self.series.items():
-            cumulative = 0.0
-            for bound, count in zip((*self.buckets, float("inf")), series[:-1]):
-                cumulative += count
-                le = 'le="' + _num(bound) + '"'
-                yield f"{self.name}_bucket{_labels(key, le)} {_num(cumulative)}\n"
-            yield f"{self.name}_sum{_labels(key)} {series[-1]!r}\n{self.name}_count{_labels(key)} {_num(cumulative)}\n"
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> SLO:
+        """PD_SLO_TTFT_MS / PD_SLO_TPOT_MS (ms) over the defaults; ConfigError (one line at start-up) if bad."""
+        env = os.environ if env is None else env
+        values = {}
+        for field, var in (("ttft_s", "PD_SLO_TTFT_MS"), ("tpot_s", "PD_SLO_TPOT_MS")):
+            text = env.get(var, "").strip()
+            if text:
+                try:
+                    ms = float(text)
+                except ValueError:
+                    raise ConfigError("environment", var, f"must be a number of milliseconds, got {text!r}") from None
+                if not ms > 0:
+                    raise ConfigError("environment", var, f"must be > 0 ms, got {text!r}")
+                values[field] = ms / 1000
+        return cls(**values)
 
 
 class Metrics:
     """All router metrics; `render()` gives the /metrics body and its content type."""
 
-    def __init__(self) -> None:
+    def __init__(self, slo: SLO | None = None) -> None:
+        self.slo = slo or SLO.from_env()
         self.ttft = Histogram("pd_router_ttft_seconds", "Router-measured time to first token chunk (decode leg included prefill).", LATENCY_BUCKETS)
         self.itl = Histogram("pd_router_itl_seconds", "Gaps between consecutive relayed token chunks.", ITL_BUCKETS)
+        self.tpot = Histogram("pd_router_tpot_seconds", "Per streamed request: (last - first chunk) / (chunks - 1).", ITL_BUCKETS)
         self.e2e = Histogram("pd_router_e2e_seconds", "Request latency from arrival to the last byte sent.", LATENCY_BUCKETS)
         self.prefill = Histogram("pd_router_prefill_seconds", "Prefill leg duration (prompt KV computed and pushed).", LATENCY_BUCKETS)
         self.kv_handoff = Histogram("pd_router_kv_handoff_seconds", "Decode leg sent until its first chunk (KV claim + first token).", LATENCY_BUCKETS)
         self.requests = Counter("pd_router_requests_total", "Client requests by API and HTTP status.")
         self.backend_requests = Counter("pd_router_backend_requests_total", "Upstream legs by backend, role and outcome.")
         self.retries = Counter("pd_router_retries_total", "Retried legs by role.")
-        self._collectors: list[Callable[[], Iterable[GaugeSample]]] = []
-        self._gauge_help: dict[str, str] = {}
+        self.slo_requests = Counter("pd_router_slo_requests_total", "Completed streamed requests that met (or missed) the TTFT and TPOT SLOs.")
+        self._collectors: list[Collector] = [self._slo_gauges]
+        self._gauge_help: dict[str, str] = {
+            "pd_router_slo_ttft_seconds": "The TTFT SLO goodput is counted against (PD_SLO_TTFT_MS).",
+            "pd_router_slo_tpot_seconds": "The TPOT SLO goodput is counted against (PD_SLO_TPOT_MS).",
+        }
 
     def observe_request(self, api: str, status: int, e2e_seconds: float) -> None:
         """Called by the API layer once per client request."""
         self.requests.inc(api=api, status=str(status))
         self.e2e.observe(e2e_seconds, api=api)
 
+    def observe_stream(self, ttft_seconds: float, decode_seconds: float, chunks: int) -> None:
+        """Called once per completed streamed request: its TPOT and whether it met both SLOs."""
+        tpot = decode_seconds / (chunks - 1) if chunks > 1 else 0.0
+        if chunks > 1:
+            self.tpot.observe(tpot)
+        met = ttft_seconds <= self.slo.ttft_s and tpot <= self.slo.tpot_s
+        self.slo_requests.inc(slo="met" if met else "missed")
+
     def add_gauges(self, help_: dict[str, str], collector: Callable[[], Iterable[GaugeSample]]) -> None:
         """Register gauges computed at scrape time (name → help, and a function yielding samples)."""
         self._gauge_help.update(help_)
         self._collectors.append(collector)
 
+    def add_key_gauges(self, callers: Callable[[], Iterable[Caller]], usage: UsageStore, limiter: Limiter) -> None:
+        """Per-key usage (from the persistent totals, so it survives restarts), quota and requests in flight."""
+        def collect() -> Iterable[GaugeSample]:
+            for caller in callers():
+                name, totals = caller.name, usage.get(caller.name)
+                yield "pd_router_key_requests", {"key_name": name}, totals.requests
+                yield "pd_router_key_tokens_used", {"key_name": name, "kind": "prompt"}, totals.prompt_tokens
+                yield "pd_router_key_tokens_used", {"key_name": name, "kind": "completion"}, totals.completion_tokens
+                yield "pd_router_key_in_flight", {"key_name": name}, limiter.in_flight(name)
+                if caller.limits.token_quota:
+                    yield "pd_router_key_token_quota", {"key_name": name}, caller.limits.token_quota
+        self.add_gauges({
+            "pd_router_key_requests": "Requests the key has made (usage db: survives restarts).",
+            "pd_router_key_tokens_used": "Tokens the key has used, by kind (usage db: survives restarts).",
+            "pd_router_key_in_flight": "Requests of the key in flight now.",
+            "pd_router_key_token_quota": "The key's total token quota (only keys that have one).",
+        }, collect)
+
+    def _slo_gauges(self) -> Iterable[GaugeSample]:
+        yield "pd_router_slo_ttft_seconds", {}, self.slo.ttft_s
+        yield "pd_router_slo_tpot_seconds", {}, self.slo.tpot_s
+
     def render(self) -> tuple[str, str]:
         parts: list[str] = []
-        for metric in (self.ttft, self.itl, self.e2e, self.prefill, self.kv_handoff, self.requests, self.backend_requests, self.retries):
+        for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.prefill, self.kv_handoff, self.requests,
+                       self.backend_requests, self.retries, self.slo_requests):
             parts.extend(metric.render())
-        samples: dict[str, list[str]] = {}
-        for collector in self._collectors:
-            for name, labels, value in collector():
-                samples.setdefault(name, []).append(f"{name}{_labels(tuple(sorted(labels.items())))} {_num(value)}\n")
-        for name, lines in samples.items():
-            parts.append(f"# HELP {name} {self._gauge_help.get(name, name)}\n# TYPE {name} gauge\n")
-            parts.extend(lines)
+        parts.extend(render_gauges(self._gauge_help, self._collectors))
         return "".join(parts), CONTENT_TYPE

@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 
 from stack.common import events
-from stack.common.errors import REQUEST_ID_HEADER, UpstreamError
+from stack.common.errors import REQUEST_ID_HEADER, UpstreamError, UpstreamTimeout
 from stack.common.logging import log_event
 from stack.common.sse import DONE, read_event_batches
 from stack.router.backends import Backend, build_pool, is_colocated
@@ -36,8 +36,8 @@ from stack.router.discovery import KVDiscovery, kv_hints
 from stack.router.handoff import Route, handoff_for
 from stack.router.metrics import Metrics
 from stack.router.monitor import HealthMonitor
-from stack.router.upstream import LegFailed, exception_failure, open_stream, post_json, status_failure, timeout
-from stack.router.scheduler import NoBackendAvailable, Scheduler
+from stack.router.upstream import EngineError, LegFailed, exception_failure, open_stream, post_json, status_failure, timeout
+from stack.router.scheduler import NoBackendAvailable, Scheduler, worst_case_s
 
 
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:
@@ -76,9 +76,12 @@ class _Job:
         return self.prompt_tokens + self.max_tokens
 
     def prefill_body(self, kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
-        """One token, not streamed (vLLM's toy proxy: min_tokens and stream_options are not for prefill)."""
+        """One token, not streamed, no stream_options (vLLM's toy proxy). `min_tokens` becomes 1 when the client set
+        it: our decode continues from prefill's token, which must not be EOS then (vLLM needs min ≤ max = 1)."""
         body = {k: v for k, v in self.body.items() if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
         body.update(stream=False, max_tokens=1)
+        if self.body.get("min_tokens"):
+            body["min_tokens"] = 1
         if "max_completion_tokens" in body:
             body["max_completion_tokens"] = 1
         if kv_transfer_params is not None:
@@ -117,6 +120,7 @@ class _Tally:
     def __init__(self, metrics: Metrics, started: float) -> None:
         self.metrics = metrics
         self.last = started
+        self.first = started  # when the first token chunk arrived
         self.tokens = 0
         self.finished = False
         self.usage: dict[str, Any] | None = None
@@ -128,6 +132,8 @@ class _Tally:
             if choices:
                 if self.tokens:
                     self.metrics.itl.observe(now - self.last)
+                else:
+                    self.first = now
                 self.tokens += 1
                 self.last = now
                 self.finished = self.finished or bool(choices[0].get("finish_reason"))
@@ -158,7 +164,7 @@ class PDClient:
         self.monitor = HealthMonitor(config, self.scheduler, session, metrics, kv, clock)
         self._timeouts = {
             "prefill": timeout(s.connect_timeout_ms, s.prefill_timeout_ms),
-            "decode_json": timeout(s.connect_timeout_ms, s.request_timeout_ms),
+            "decode_json": timeout(s.connect_timeout_ms, s.decode_timeout_ms),
             "decode_stream": timeout(s.connect_timeout_ms, s.request_timeout_ms, s.idle_timeout_ms),
             "tokenize": timeout(s.connect_timeout_ms, s.first_token_timeout_ms),
         }
@@ -177,7 +183,7 @@ class PDClient:
 
     def health_snapshot(self) -> dict[str, Any]:
         return {"mode": self.mode, "kv_connector": self.handoff.kind, "policy": self.settings.policy,
-                "queue_depth": self.scheduler.queue_depth, "backends": [b.snapshot() for b in self.scheduler.backends]}
+                "queue_depth": self.scheduler.queue_depth, "worst_case_s": worst_case_s(self.settings), "backends": [b.snapshot() for b in self.scheduler.backends]}
 
     async def count_tokens(self, request_id: str, prompt: dict[str, Any]) -> int | None:
         """The engines' token count for `prompt` ({"messages": …} or {"prompt": …}) from vLLM's POST /tokenize on a
@@ -213,11 +219,23 @@ class PDClient:
     async def complete(self, request_id: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """Run a non-streamed request; the decode engine's JSON answer (with usage)."""
         job = _Job.make(request_id, path, body, False, self.settings.default_max_tokens)
-        leg = await self._run(job)
+        leg = await self._run_within_deadline(job)
         self.scheduler.release(leg.decode, job.decode_tokens)
         answer = leg.answer or {}
         answer.pop("kv_transfer_params", None)  # clients never learn PD exists
         return answer
+
+    async def _run_within_deadline(self, job: _Job) -> _Leg:
+        """_run under [scheduler] deadline_ms: queue waits, legs and retries together never take longer."""
+        deadline_s = self.settings.deadline_ms / 1000
+        try:
+            async with asyncio.timeout(deadline_s):
+                return await self._run(job)
+        except TimeoutError:
+            log_event(events.ROUTER_DEADLINE_EXCEEDED, f"no answer within the request deadline ({deadline_s:g}s)", "WARNING",
+                      request_id=job.request_id, deadline_ms=self.settings.deadline_ms, stream=job.stream)
+            raise UpstreamTimeout(f"no answer within the router's request deadline ({deadline_s:g}s); retry shortly",
+                                  code="deadline_exceeded", headers={"Retry-After": "1"}) from None
 
     async def _run(self, job: _Job) -> _Leg:
         """1. Pick a decode, then its prefill leg and its decode leg; a new pair until decode answered (JSON) or
@@ -272,6 +290,17 @@ class PDClient:
                 answer = await post_json(self.session, prefill, job.path, job.prefill_body(route.prefill_params), route.request_id,
                                          self._timeouts["prefill"])
             except LegFailed as failure:
+                if failure.blames_decode:
+                    # The prefill could not push its KV to this decode: the decode (or the KV path to it) is at fault,
+                    # not the prefill. Never retry the prefill leg against it: _run re-picks the pair without it, and its
+                    # breaker counts the failure. It is not marked down: the router's own path to it may be fine (a cut
+                    # KV network); a dead decode is found by the router's legs and probes (refused: down at once).
+                    self._succeeded(prefill)
+                    log_event(events.ROUTER_PREFILL_FAILED, f"prefill {prefill.url} could not hand KV to decode {decode.url}: "
+                              f"{failure.error.message}", "WARNING", request_id=job.request_id, prefill=prefill.url,
+                              status=failure.status, error=failure.error.message, attempt=tries, retried=False)
+                    self._failed(decode, LegFailed(failure.error, retryable=True, status=failure.status, code=failure.code))
+                    raise
                 self._failed(prefill, failure)
                 retried = failure.retryable and tries <= self.settings.max_retries
                 log_event(events.ROUTER_PREFILL_FAILED, f"prefill {prefill.url} failed: {failure.error.message}", "WARNING",
@@ -347,7 +376,7 @@ class PDClient:
         API writes them in one send (a burst, or a router running behind, costs one send, not one per token).
         Always ends with a usage chunk (see module doc)."""
         job = _Job.make(request_id, path, body, True, self.settings.default_max_tokens)
-        leg = await self._run(job)
+        leg = await self._run_within_deadline(job)
         decode, response, batches = leg.decode, leg.response, leg.batches
         assert response is not None and batches is not None and leg.first is not None, "stream leg opened without a first chunk"
         tally = _Tally(self.metrics, job.started)
@@ -385,6 +414,7 @@ class PDClient:
                 yield [{"id": leg.first.get("id", ""), "object": leg.first.get("object", "chat.completion.chunk"),
                         "created": leg.first.get("created", 0), "model": leg.first.get("model", ""), "choices": [], "usage": usage}]
             self._succeeded(decode)
+            self.metrics.observe_stream(tally.first - job.started, tally.last - tally.first, tally.tokens)  # TPOT, goodput
         except (GeneratorExit, asyncio.CancelledError):
             log_event(events.ROUTER_CLIENT_DISCONNECTED, "client went away; upstream decode cancelled", "WARNING",
                       request_id=job.request_id, decode=decode.url, chunks_relayed=tally.tokens)
@@ -407,11 +437,11 @@ class PDClient:
             raise ValueError("chunk is not a JSON object")
         if "error" in chunk:  # vLLM-style in-band error
             error = chunk["error"]
-            message = error.get("message", str(error)) if isinstance(error, dict) else str(error)
-            code = error.get("code") if isinstance(error, dict) else None
+            code = error.get("code") if isinstance(error, dict) else None  # vLLM: the HTTP status, an int
+            status = code if isinstance(code, int) and not isinstance(code, bool) and code >= 400 else 502
             log_event(events.ROUTER_UPSTREAM_ERROR, f"decode {decode.url} sent an in-band error", "WARNING",
-                      backend=decode.url, role=decode.role, status=code, body=data[:2000])
-            raise status_failure(decode, code if isinstance(code, int) and code >= 400 else 502, message)
+                      backend=decode.url, role=decode.role, status=status, body=data[:2000])
+            raise status_failure(decode, status, EngineError.parse(data))
         return chunk
 
     def _first_token(self, job: _Job, decode: Backend, sent: float) -> None:

@@ -50,16 +50,41 @@ class SchedulerConfig:
     prefill_timeout_ms: int = 60_000  # the whole prefill leg (long prompts on CPU take seconds)
     first_token_timeout_ms: int = 30_000  # decode leg: headers + first chunk, on top of kv_transfer_timeout_ms
     idle_timeout_ms: int = 30_000  # longest silence between two chunks of a decode stream
-    request_timeout_ms: int = 600_000  # the whole decode leg, streamed or not
+    decode_timeout_ms: int = 120_000  # a non-streamed decode leg, whole (it sends nothing until it is done)
+    request_timeout_ms: int = 600_000  # a streamed decode leg, whole (idle_timeout_ms bounds each silence in it)
+    # The one bound over everything before a request's first byte (streams) or its whole answer (non-streamed): queue
+    # waits, prefill, KV hand-off, retries on other backends. Past it: 504 deadline_exceeded. See worst_case_s().
+    deadline_ms: int = 120_000
     default_max_tokens: int = 256  # load estimate for requests that do not say max_tokens
 
     def __post_init__(self) -> None:
         for name in ("kv_transfer_timeout_ms", "queue_timeout_ms", "breaker_failures", "breaker_cooldown_ms", "health_timeouts_to_down",
-                     "connect_timeout_ms",
+                     "connect_timeout_ms", "decode_timeout_ms", "deadline_ms",
                      "prefill_timeout_ms", "first_token_timeout_ms", "idle_timeout_ms", "request_timeout_ms", "default_max_tokens"):
             check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         for name in ("queue_size", "max_retries", "health_interval_ms"):
             check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+
+
+def worst_case_s(config: SchedulerConfig) -> dict[str, float]:
+    """How long a request can take at most, from the settings alone (README "What happens when…", GET /health).
+
+    Before the first byte every wait is bounded twice: by its own leg timeout, and by `deadline_ms` over all of them.
+    The legs' own sum (attempts × (queue + prefill tries × (queue + prefill) + KV + first token)) is usually larger than
+    the deadline, so the deadline is what a client sees; both are reported.
+    """
+    tries = config.max_retries + 1
+    q, p = config.queue_timeout_ms, config.prefill_timeout_ms
+    first_byte_legs = config.queue_timeout_ms + tries * (tries * (q + p) + config.kv_transfer_timeout_ms + config.first_token_timeout_ms)
+    json_legs = config.queue_timeout_ms + tries * (tries * (q + p) + config.decode_timeout_ms)
+    first_byte = min(first_byte_legs, config.deadline_ms)
+    return {
+        "first_byte_s": first_byte / 1000,  # a stream's first chunk or an explicit error
+        "non_streamed_s": min(json_legs, config.deadline_ms) / 1000,  # a whole non-streamed answer or an explicit error
+        "stream_s": (first_byte + config.request_timeout_ms) / 1000,  # a whole stream (each silence ≤ idle_timeout_ms)
+        "stream_silence_s": config.idle_timeout_ms / 1000,  # the longest gap between two chunks before an in-band error
+        "queue_wait_s": config.queue_timeout_ms / 1000,
+    }
 
 
 class NoBackendAvailable(Overloaded):
@@ -106,6 +131,8 @@ class Scheduler:
     def mark(self, backend: Backend, up: bool, reason: str) -> bool:
         """Record a backend's health (logged by Backend.set_up); on a change, waiters re-check. True if it changed."""
         changed = backend.set_up(up, reason)
+        if up and backend.breaker.probe_ok():  # SERVING: an open circuit goes half-open at once
+            changed = True
         if changed:
             self._wake_all(self.role_of(backend))
         return changed

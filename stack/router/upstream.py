@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from stack.common import events
 from stack.common.errors import (
+    CLIENT_REQUEST_ID_HEADER,
     REQUEST_ID_HEADER,
     APIError,
     InvalidRequest,
@@ -26,7 +28,7 @@ from stack.common.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from stack.common.logging import log_event
+from stack.common.logging import client_request_id, log_event
 from stack.router.backends import Backend
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
@@ -35,46 +37,71 @@ _JSON_HEADERS = {"Content-Type": "application/json"}
 class LegFailed(Exception):
     """One upstream leg failed; `error` is what the client gets if this is the last attempt."""
 
-    def __init__(self, error: APIError, *, retryable: bool, status: int | None = None, unreachable: bool = False) -> None:
+    def __init__(self, error: APIError, *, retryable: bool, status: int | None = None, unreachable: bool = False,
+                 code: str | None = None) -> None:
         super().__init__(error.message)
         self.error = error
         self.retryable = retryable
         self.status = status
-        self.unreachable = unreachable  # never connected: the backend is down, not just failing
+        self.unreachable = unreachable  # connect refused, DNS failure, reset: the backend is down, not just failing
+        self.code = code  # the engine's own error code, when it answered one
+
+    @property
+    def blames_decode(self) -> bool:
+        """A prefill leg that failed because its KV push to decode failed (the engine's `kv_*` codes, not a timeout
+        waiting for KV): the decode is at fault, so the pair is re-picked and this decode is not tried again."""
+        return bool(self.code) and self.code.startswith("kv_") and self.code not in ("kv_not_a_producer", "kv_prompt_mismatch")
+
 
 
 def _role_name(backend: Backend) -> str:
     return "engine" if backend.role == "both" else f"{backend.role} engine"
 
 
-def engine_message(text: str) -> str:
-    """The human message inside an engine error body (OpenAI, vLLM and plain shapes)."""
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return text.strip()[:500] or "(empty body)"
-    if isinstance(data, dict):
-        inner = data.get("error")
-        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
-            return inner["message"]
-        for key in ("message", "detail", "error"):
-            if isinstance(data.get(key), str):
-                return data[key]
-    return text.strip()[:500]
+@dataclass(frozen=True)
+class EngineError:
+    """What an engine's error body says: its message and, in OpenAI's shape, the param and code it named."""
+
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> EngineError:
+        """Read OpenAI, vLLM and plain error bodies."""
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return cls(text.strip()[:500] or "(empty body)")
+        if isinstance(data, dict):
+            inner = data.get("error")
+            if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+                param, code = inner.get("param"), inner.get("code")
+                return cls(inner["message"], param if isinstance(param, str) else None, code if isinstance(code, str) else None)
+            for key in ("message", "detail", "error"):
+                if isinstance(data.get(key), str):
+                    return cls(data[key])
+        return cls(text.strip()[:500])
 
 
-def status_failure(backend: Backend, status: int, message: str) -> LegFailed:
-    """Map an engine's HTTP error status to the client-facing error and whether to retry."""
+def status_failure(backend: Backend, status: int, error: EngineError) -> LegFailed:
+    """Map an engine's HTTP error status to the client-facing error and whether to retry. A client error keeps
+    the param and code the engine named (e.g. max_tokens, context_length_exceeded: a limit only the model knows);
+    the failure keeps the engine's code either way (`blames_decode` reads it)."""
+    message, name = error.message, _role_name(backend)
     client_errors: dict[int, type[APIError]] = {400: InvalidRequest, 404: NotFound, 413: PayloadTooLarge, 422: InvalidRequest}
     if status in client_errors:
-        return LegFailed(client_errors[status](message, code="upstream_rejected"), retryable=False, status=status)
-    if status in (429, 503):
-        return LegFailed(Overloaded(f"{_role_name(backend)} is overloaded: {message}", code="upstream_overloaded"), retryable=True, status=status)
-    if status == 504:
-        return LegFailed(UpstreamTimeout(f"{_role_name(backend)} timed out: {message}"), retryable=True, status=status)
-    if 400 <= status < 500:
-        return LegFailed(InvalidRequest(message, code=f"upstream_{status}"), retryable=False, status=status)
-    return LegFailed(UpstreamError(f"{_role_name(backend)} failed (HTTP {status}): {message}"), retryable=True, status=status)
+        api_error: APIError = client_errors[status](message, code=error.code or "upstream_rejected", param=error.param)
+    elif 400 <= status < 500 and status != 429:
+        api_error = InvalidRequest(message, code=error.code or f"upstream_{status}", param=error.param)
+    elif status in (429, 503):
+        api_error = Overloaded(f"{name} is overloaded: {message}", code="upstream_overloaded")
+    elif status == 504:
+        api_error = UpstreamTimeout(f"{name} timed out: {message}")
+    else:
+        api_error = UpstreamError(f"{name} failed (HTTP {status}): {message}")
+    return LegFailed(api_error, retryable=not isinstance(api_error, (InvalidRequest, NotFound, PayloadTooLarge)), status=status,
+                     code=error.code)
 
 
 async def response_failure(backend: Backend, response: aiohttp.ClientResponse) -> LegFailed:
@@ -85,7 +112,7 @@ async def response_failure(backend: Backend, response: aiohttp.ClientResponse) -
         text = f"(body unreadable: {exc!r})"
     log_event(events.ROUTER_UPSTREAM_ERROR, f"{backend.role} {backend.url} answered HTTP {response.status}", "WARNING",
               backend=backend.url, role=backend.role, status=response.status, body=text[:2000])
-    return status_failure(backend, response.status, engine_message(text))
+    return status_failure(backend, response.status, EngineError.parse(text))
 
 
 def exception_failure(backend: Backend, exc: BaseException, phase: str) -> LegFailed:
@@ -96,20 +123,26 @@ def exception_failure(backend: Backend, exc: BaseException, phase: str) -> LegFa
     if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
         return LegFailed(UpstreamTimeout(f"the {name} did not answer in time ({phase})"), retryable=True)
     if isinstance(exc, (aiohttp.ClientError, ConnectionError)):
-        return LegFailed(UpstreamError(f"the {name} broke the connection ({phase}: {type(exc).__name__})"), retryable=True)
+        # A reset or refused socket (ClientOSError, ConnectionResetError) means the engine process is gone: down at once.
+        reset = isinstance(exc, (aiohttp.ClientOSError, ConnectionError, aiohttp.ServerDisconnectedError))
+        return LegFailed(UpstreamError(f"the {name} broke the connection ({phase}: {type(exc).__name__})"), retryable=True,
+                         unreachable=reset)
     if isinstance(exc, ValueError):  # JSON that does not parse, bytes that are not UTF-8
         return LegFailed(UpstreamError(f"the {name} sent an unreadable answer ({phase}: {exc})"), retryable=True)
     raise exc
 
 
-def new_session() -> aiohttp.ClientSession:
+def new_session(internal_key: str | None = None) -> aiohttp.ClientSession:
     """The one upstream session for the app's lifetime, tuned for a relay.
 
     No connection cap (the scheduler's max_concurrent is the limit; aiohttp's default pool of 100
     would make requests wait unseen), keep-alive reuse, no total timeout (legs set their own).
+    `internal_key` (PD_INTERNAL_KEY) goes as `Authorization: Bearer …` on every engine request: legs,
+    /tokenize, /v1/models, KV discovery (stack/common/internal_auth.py).
     """
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=60)
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+    headers = {"Authorization": f"Bearer {internal_key}"} if internal_key else None
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None), headers=headers)
 
 
 def timeout(connect_ms: int, total_ms: int | None = None, read_ms: int | None = None) -> aiohttp.ClientTimeout:
@@ -118,7 +151,9 @@ def timeout(connect_ms: int, total_ms: int | None = None, read_ms: int | None = 
 
 
 def _headers(request_id: str) -> dict[str, str]:
-    return {**_JSON_HEADERS, REQUEST_ID_HEADER: request_id}
+    """The leg's id, and the client's own X-Request-ID so the engines' lines carry it too (client_request_id)."""
+    client_id = client_request_id()
+    return {**_JSON_HEADERS, REQUEST_ID_HEADER: request_id, **({CLIENT_REQUEST_ID_HEADER: client_id} if client_id else {})}
 
 
 async def post_json(session: aiohttp.ClientSession, backend: Backend, path: str, body: dict[str, Any], request_id: str,

@@ -41,10 +41,11 @@ DISAGGREGATED = ("compose.yaml",)
 COLOCATED = ("compose.colocated.yaml",)
 # Variables compose would read from the shell before the env file; tests must not inherit them.
 STACK_VARIABLES = (
-    "TAOTOKEN_API_KEY", "TAOTOKEN_BASE_URL", "PREFILL_ENDPOINT", "DECODE_ENDPOINT", "KV_TRANSFER_PORT",
+    "TAOTOKEN_API_KEY", "PD_INTERNAL_KEY", "ROUTER_BIND", "TAOTOKEN_BASE_URL", "PREFILL_ENDPOINT", "DECODE_ENDPOINT", "KV_TRANSFER_PORT",
     "ROUTER_PORT", "PD_CHECKPOINT", "PD_CHECKPOINT_DIR", "PREFILL_CPUS", "DECODE_CPUS", "ENGINE_CPUS",
     "ROUTER_CPUS", "HEALTHCHECK_INTERVAL", "COMPOSE_PROJECT_NAME", "COMPOSE_FILE", "COMPOSE_PROFILES",
     "PD_ENV_FILE",  # the stack's env file names itself (write_env_file)
+    "PROMETHEUS_PORT", "PROMETHEUS_CONFIG_DIR",  # compose.observability.yaml
 )
 
 
@@ -117,17 +118,30 @@ class Stack:
     def logs(self, service: str) -> str:
         return self.container(service).logs(stdout=True, stderr=True).decode(errors="replace")
 
-    def events(self, service: str, request_id: str | None = None) -> list[dict[str, Any]]:
-        """The service's JSON log lines (non-JSON lines skipped), optionally for one request id."""
+    def _lines(self, service: str) -> list[dict[str, Any]]:
         lines = []
         for line in self.logs(service).splitlines():
             try:
                 record = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(record, dict) and (request_id is None or record.get("request_id") == request_id):
+            if isinstance(record, dict):
                 lines.append(record)
         return lines
+
+    def request_ids(self, client_request_id: str) -> set[str]:
+        """The router's own ids for the requests a client sent with X-Request-ID `client_request_id` (the router names
+        every request itself and keeps the client's as client_request_id; the engines see the router's)."""
+        return {r["request_id"] for r in self._lines("router") if r.get("client_request_id") == client_request_id}
+
+    def events(self, service: str, request_id: str | None = None) -> list[dict[str, Any]]:
+        """The service's JSON log lines (non-JSON lines skipped), optionally for one request id: the router's own id,
+        or the X-Request-ID a client sent (then the lines of the router's ids for it, in every service)."""
+        lines = self._lines(service)
+        if request_id is None:
+            return lines
+        ids = {request_id} | self.request_ids(request_id)
+        return [r for r in lines if r.get("request_id") in ids or r.get("client_request_id") == request_id]
 
     def wait_for_event(self, service: str, prefix: str, request_id: str | None = None, timeout_s: float = 30) -> list[dict[str, Any]]:
         """Poll until `service` logged an event starting with `prefix`; returns the matching lines."""
@@ -180,11 +194,12 @@ def compose_run(files: Sequence[str], env_file: Path, args: Sequence[str], check
 
 
 def stack_env(project: str, overrides: Mapping[str, str | None] | None = None) -> dict[str, str]:
-    """The env file's contents: project, free router port, fresh key, tiny model; None drops a key."""
+    """The env file's contents: project, free router port, fresh keys, tiny model; None drops a key."""
     env: dict[str, str | None] = {
         "COMPOSE_PROJECT_NAME": project,
         "ROUTER_PORT": str(free_port()),
         "TAOTOKEN_API_KEY": f"sk-test-{secrets.token_hex(16)}",
+        "PD_INTERNAL_KEY": secrets.token_hex(16),  # router → engines (as ./pd up generates it)
         "PD_CHECKPOINT": "dummy:tiny",
     }
     env.update(overrides or {})

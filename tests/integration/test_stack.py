@@ -74,9 +74,9 @@ def test_start_order_decode_then_prefill_then_router(pd_stack: Stack) -> None:
 
 
 def test_only_the_router_port_is_published(pd_stack: Stack) -> None:
-    """Only the router's 8080 is bound on the host; the engines' HTTP and KV ports are only exposed."""
+    """Only the router's 8080 is bound on the host, on loopback (ROUTER_BIND); the engines' HTTP and KV ports are only exposed."""
     router = pd_stack.container("router").attrs
-    assert router["HostConfig"]["PortBindings"] == {"8080/tcp": [{"HostIp": "", "HostPort": str(pd_stack.router_port)}]}
+    assert router["HostConfig"]["PortBindings"] == {"8080/tcp": [{"HostIp": "127.0.0.1", "HostPort": str(pd_stack.router_port)}]}
     for service in ("prefill", "decode"):
         attrs = pd_stack.container(service).attrs
         assert not attrs["HostConfig"]["PortBindings"], f"{service} publishes {attrs['HostConfig']['PortBindings']}"
@@ -124,9 +124,10 @@ def test_killing_decode_mid_stream_is_a_clean_error_and_recovers(pd_stack: Stack
         assert _wait_decode_state(pd_stack, "down", timeout_s=30) == "down"
         assert any(e["event"] == "router.decode_failed" and e.get("mid_stream") for e in pd_stack.events("router", "it-kill"))
         # The doctor, from the stack's logs alone, names the broken stream and its request.
-        code, doc = diagnose(pd_stack, str(tmp_path), "--request-id", "it-kill")
+        (rid,) = pd_stack.request_ids("it-kill")  # the router's own id for the client's X-Request-ID
+        code, doc = diagnose(pd_stack, str(tmp_path), "--request-id", rid)
         cut = finding(doc, "choices.stream_without_done")
-        assert code == 1 and cut["request_ids"] == ["it-kill"] and "router" in services(cut)
+        assert code == 1 and cut["request_ids"][0] == rid and "it-kill" in cut["request_ids"] and "router" in services(cut)
     finally:
         decode.reload()
         if decode.status != "running":  # the later tests need a decode, whatever happened above
@@ -156,3 +157,19 @@ def test_cutting_the_kv_network_fails_the_request_cleanly(pd_stack: Stack) -> No
     # The decode never got a decode leg for it: the router hands off only after a successful push.
     assert not [e for e in pd_stack.events("decode", "it-kv-cut") if e["event"].startswith("kv_consumer.claimed")]
     assert _chat_stream(pd_stack, "it-after-cut", max_tokens=8)
+
+
+def test_engines_answer_only_the_router(pd_stack: Stack) -> None:
+    """An engine refuses /v1/* without PD_INTERNAL_KEY (401), even with the clients' key; /health stays open; the
+    router's own calls carry the key (a request through it works)."""
+    script = ("import json, sys, urllib.request, urllib.error\n"
+              "def call(path, key=None):\n"
+              "    req = urllib.request.Request('http://decode:8000' + path, headers={'Authorization': 'Bearer ' + key} if key else {})\n"
+              "    try:\n        return urllib.request.urlopen(req, timeout=5).status\n"
+              "    except urllib.error.HTTPError as e:\n        return e.code\n"
+              "print(json.dumps([call('/v1/models'), call('/v1/models', sys.argv[1]), call('/v1/models', sys.argv[2]), call('/health')]))\n")
+    result = pd_stack.container("router").exec_run(["python", "-c", script, pd_stack.api_key, pd_stack.env["PD_INTERNAL_KEY"]])
+    assert json.loads(result.output.decode().strip().splitlines()[-1]) == [401, 401, 200, 200]
+    answer = _client(pd_stack).chat.completions.create(model="your-model-id", max_tokens=2,
+                                                      messages=[{"role": "user", "content": "hi"}])
+    assert answer.choices[0].message.content is not None

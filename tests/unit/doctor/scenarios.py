@@ -241,6 +241,84 @@ def rejected(log: Log, n: int, reason: str, header: str = "authorization") -> st
     return rid
 
 
+def backend_gone(log: Log, n: int, role: str = "prefill", first: bool = True) -> str:
+    """The prefill container was killed: the router marks it down and answers 503 no_prefill_backend."""
+    rid = request_id(n)
+    url = PREFILL if role == "prefill" else DECODE
+    if first:
+        log.ev("router", events.BACKEND_HEALTH, f"{role} backend {url} is down (unreachable)", level="WARNING",
+               backend=url, role=role, state="down", was="up", reason="unreachable")
+    log.ev("router", events.ROUTER_REQUEST_RECEIVED, "chat request for tiny", rid, api="chat", model="tiny", stream=True)
+    log.ev("router", events.HTTP_ERROR, f"no healthy {role} backend", rid, status=503, type="service_unavailable",
+           code=f"no_{role}_backend")
+    _done(log, rid, 503, 0, 0, 1.2, f"no_{role}_backend")
+    log.tick(20)
+    return rid
+
+
+def model_missing(log: Log, n: int, model: str = "claude-sonnet-4-5") -> str:
+    """A client asks for a model name the router does not serve (Claude Code's claude-* default)."""
+    rid = request_id(n)
+    log.ev("router", events.ROUTER_REQUEST_RECEIVED, f"messages request for {model}", rid, api="messages", model=model,
+           stream=True)
+    log.ev("router", events.HTTP_BAD_REQUEST, f"The model '{model}' does not exist on this router; it serves "
+           "'your-model-id' (see GET /v1/models).", rid, status=404, type="invalid_request_error", code="model_not_found")
+    _done(log, rid, 404, 0, 0, 0.8, "model_not_found")
+    log.tick(20)
+    return rid
+
+
+def direct(log: Log, n: int, service: str = "decode") -> str:
+    """A client talks to an engine's published port: engine lines, no router line, no PD leg."""
+    rid = f"direct-{n:04d}"
+    log.ev(service, events.ENGINE_REQUEST_RECEIVED, "chat request: 12 prompt tokens", rid, prompt_tokens=12, max_tokens=8,
+           stream=False, role=service, pd_leg=None, transfer_id=None)
+    log.ev(service, events.ENGINE_FIRST_TOKEN, "first token", rid, ttft_ms=9.5)
+    log.ev(service, events.ENGINE_REQUEST_FINISHED, "finished (length) after 8 tokens", rid, prompt_tokens=12,
+           completion_tokens=8, finish_reason="length", e2e_ms=40.0)
+    _access(log, service, rid, 200, 41.0)
+    log.tick(20)
+    return rid
+
+
+def context_refused(log: Log, n: int, decode_len: int = 64, prompt: int = 40, max_tokens: int = 48) -> str:
+    """Prefill serves the prompt, decode refuses it: decode's max_model_len is smaller (logged at WARNING)."""
+    rid = request_id(n)
+    tid = f"kv-{rid[4:]}"
+    log.ev("router", events.ROUTER_REQUEST_RECEIVED, "chat request for tiny", rid, api="chat", model="tiny", stream=True)
+    log.ev("router", events.ROUTER_SCHEDULED, f"prefill {PREFILL} → decode {DECODE}", rid, prefill=PREFILL, decode=DECODE,
+           policy="load_aware", mode="disaggregated", attempt=1, prefill_attempt=1)
+    log.ev("prefill", events.ENGINE_REQUEST_RECEIVED, f"chat request: {prompt} prompt tokens, PD prefill leg", rid,
+           prompt_tokens=prompt, max_tokens=1, stream=False, role="prefill", pd_leg="prefill", transfer_id=tid)
+    log.ev("prefill", events.ENGINE_PREFILL_DONE, f"prefilled {prompt} tokens", rid, prompt_tokens=prompt, prefill_ms=30.0,
+           queue_ms=0.2)
+    _access(log, "prefill", rid, 200, 33.0)
+    log.ev("router", events.ROUTER_PREFILL_DONE, "prefill done", rid, prefill=PREFILL, prefill_ms=34.0, transfer_id=tid)
+    msg = (f"This model's maximum context length is {decode_len} tokens. However, you requested {prompt + max_tokens} "
+           f"tokens ({prompt} in the messages, {max_tokens} in the completion).")
+    log.ev("decode", events.HTTP_BAD_REQUEST, msg, rid, status=400, type="invalid_request_error", code=None)
+    _access(log, "decode", rid, 400, 1.0)
+    body = json.dumps({"error": {"message": msg, "type": "invalid_request_error", "param": None, "code": None}})
+    log.ev("router", events.ROUTER_UPSTREAM_ERROR, f"decode {DECODE} answered HTTP 400", rid, backend=DECODE,
+           role="decode", status=400, body=body)
+    log.ev("router", events.ROUTER_DECODE_FAILED, f"decode {DECODE} failed: {msg}", rid, "WARNING", decode=DECODE,
+           status=400, error=msg, mid_stream=False, retried=False)
+    _done(log, rid, 400, prompt, 0, 40.0, msg)
+    log.tick(20)
+    return rid
+
+
+def mystery(log: Log, n: int) -> str:
+    """A failure no diagnosis knows: the router answers 500 with an unhandled exception."""
+    rid = request_id(n)
+    log.ev("router", events.ROUTER_REQUEST_RECEIVED, "chat request for tiny", rid, api="chat", model="tiny", stream=False)
+    log.ev("router", events.HTTP_ERROR, "unhandled error on POST /v1/chat/completions", rid,
+           exc="ZeroDivisionError: division by zero")
+    _done(log, rid, 500, 0, 0, 2.0, "internal error")
+    log.tick(20)
+    return rid
+
+
 def limited(log: Log, n: int, quota: bool) -> str:
     rid = request_id(n)
     log.ev("router", events.ROUTER_REQUEST_RECEIVED, "chat request for tiny", rid, api="chat", model="tiny", stream=True)
@@ -300,6 +378,14 @@ def write_bundles(folder: Path) -> Path:
     _with(lambda log: request(log, 1, fate="fingerprint"), "v2ts", folder, "kv_model_mismatch.log",
           decode_fp="llama-tiny-seed1-77d0b3c1")
     _with(lambda log: request(log, 1, fate="usage_chunk"), "v2", folder, "usage_chunk.log")
+
+    _with(lambda log: (request(log, 1), backend_gone(log, 2), backend_gone(log, 3, first=False)), "v2ts", folder,
+          "prefill_killed.log")
+    _with(lambda log: (request(log, 1), model_missing(log, 2), model_missing(log, 3, "claude-haiku-4-5")), "v2", folder,
+          "model_claude.log")
+    _with(lambda log: (request(log, 1), direct(log, 1), direct(log, 2)), "v2", folder, "engine_direct.log")
+    _with(lambda log: (request(log, 1), context_refused(log, 2)), "v2ts", folder, "max_model_len.log")
+    _with(lambda log: (request(log, 1), mystery(log, 2)), "v2", folder, "unexplained.log")
 
     log = Log()
     startup(log)

@@ -74,9 +74,10 @@ def test_doctor_cannot_run_exits_2(bundles, tmp_path, capsys):
 
 
 def test_since_filters_old_lines(bundles):
-    """--since an ISO time after the bundle → no line left → exit 2; before it → diagnosed."""
+    """--since an ISO time after the bundle → a quiet window (exit 0, `quiet`); before it → diagnosed."""
     path = str(bundles / "healthy_v1.log")
-    assert run("diagnose", "--logs", path, "--since", "2026-11-29T21:00:00Z")[0] == 2
+    code, out = run("diagnose", "--logs", path, "--since", "2026-11-29T21:00:00Z")
+    assert code == 0 and "quiet: no completed request in the window" in out
     assert run("diagnose", "--logs", path, "--since", "2026-11-29T20:00:00Z")[0] == 0
 
 
@@ -84,7 +85,7 @@ def test_list_checks():
     """--list-checks names every diagnosis."""
     code, out = run("diagnose", "--list-checks")
     assert code == 0
-    assert [line.split()[0] for line in out.splitlines()] == ["auth", "local_proxy", "oauth", "choices", "kv_transfer", "p2pnccl"]
+    assert [line.split()[0] for line in out.splitlines()] == ["client_view", "model", "backends", "bypass", "config", "auth", "local_proxy", "oauth", "choices", "kv_transfer", "upstream", "p2pnccl"]
 
 
 def test_folder_of_per_service_files(bundles):

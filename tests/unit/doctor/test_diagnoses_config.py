@@ -90,11 +90,21 @@ def test_claude_pointing_at_router_without_key_uses_oauth(bundles, tmp_path):
 
 
 def test_claude_both_credentials_set(bundles, tmp_path):
-    """ANTHROPIC_AUTH_TOKEN and ANTHROPIC_API_KEY both set → auth conflict warning, values never shown."""
+    """Both set, different keys, nothing failed → client.auth_conflict warning naming who sends which; values never shown."""
     env = {"ANTHROPIC_AUTH_TOKEN": SECRET, "ANTHROPIC_API_KEY": SECRET + "x"}
     findings, _ = diagnose(bundles / "healthy_v1.log", home=tmp_path, environ=env)
-    assert by_id(findings, "oauth.claude_auth_conflict").severity == "warning"
+    f = by_id(findings, "client.auth_conflict")
+    assert f.severity == "warning"
+    assert "anthropic SDK sends ANTHROPIC_API_KEY" in f.cause and "Claude Code sends ANTHROPIC_AUTH_TOKEN" in f.cause
+    assert "oauth.claude_auth_conflict" not in {x.id for x in findings}
     no_secret(findings)
+
+
+def test_claude_both_credentials_same_key_is_only_a_warning(bundles, tmp_path):
+    """Both set to the same key: a warning that one of them will drift (oauth.claude_auth_conflict)."""
+    env = {"ANTHROPIC_AUTH_TOKEN": SECRET, "ANTHROPIC_API_KEY": SECRET}
+    findings, _ = diagnose(bundles / "healthy_v1.log", home=tmp_path, environ=env)
+    assert by_id(findings, "oauth.claude_auth_conflict").severity == "warning"
 
 
 def test_codex_chatgpt_login_without_router_provider(bundles, tmp_path):

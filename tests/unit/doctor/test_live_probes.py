@@ -45,3 +45,50 @@ def test_key_read_from_env_then_dotenv(tmp_path, monkeypatch):
     assert live.read_key(env_file) == "sk-from-dotenv"
     monkeypatch.setenv("TAOTOKEN_API_KEY", "sk-from-shell")
     assert live.read_key(env_file) == "sk-from-shell"
+
+
+def _vllm_stack(monkeypatch, lines: list[str]):
+    """sources.load_docker replaced by vLLM's plain log lines (decode) read as from a compose project."""
+    from doctor import sources
+
+    def load(project, since):
+        loaded = sources.Loaded()
+        loaded.add(lines, "docker:pd/decode", "decode")
+        loaded.docker = {"project": project, "services": {"decode": "running"}}
+        return loaded
+
+    monkeypatch.setattr(sources, "load_docker", load)
+    return type("S", (), {"project": "pd"})()
+
+
+def _router_only_timeline():
+    from doctor.timeline import Timeline
+    from tests.unit.doctor.scenarios import Log, request
+    from doctor.parse import parse_lines
+
+    log = Log()
+    rid = request(log, 1)
+    records, _ = parse_lines([x for x in log.render("v2") if x.startswith("router")], "t")
+    return Timeline(rid, [r for r in records if r.request_id == rid])
+
+
+def test_verify_on_vllm_requires_vllm_kv_transfer_metrics(monkeypatch, tmp_path):
+    """Router legs done but engines are vLLM: verified only with `KV Transfer metrics: Num successful transfers` > 0."""
+    from datetime import datetime, timezone
+
+    from doctor import environment
+
+    env = environment.snapshot(tmp_path, environ={})
+    timeline = _router_only_timeline()
+    assert live._foreign_engines(timeline)
+    proof = ("(APIServer pid=1) INFO 12-01 09:12:25 [metrics.py:120] KV Transfer metrics: Num successful transfers=2, "
+             "Avg xfer time (ms)=63.33")
+    stack = _vllm_stack(monkeypatch, [proof])
+    found = live._verify_vllm(stack, env, datetime.now(timezone.utc), "r1", "200", timeline, wait_s=0)
+    assert found[0].id == "verify" and found[0].severity == "ok"
+    assert any("KV Transfer metrics" in e.line for e in found[0].evidence)
+
+    stack = _vllm_stack(monkeypatch, ["(EngineCore_DP0 pid=1) WARNING 12-01 09:12:03 [core.py:712] Got kv_transfer_params, "
+                                      "but no KVConnector found. Disabling KVTransfer for this request."])
+    found = live._verify_vllm(stack, env, datetime.now(timezone.utc), "r1", "200", timeline, wait_s=0)
+    assert [f.id for f in found] == ["verify.no_vllm_kv_proof", "vllm.no_kv_connector"]

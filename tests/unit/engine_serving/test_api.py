@@ -124,13 +124,19 @@ BAD_REQUESTS = [
     (chat("x" * 600), 400, "context_length_exceeded", "messages"),
     (chat(temperature=-1), 400, "invalid_value", "temperature"),
     (chat(top_p=0), 400, "invalid_value", "top_p"),
-    (chat(n=2), 400, "unsupported_parameter", "n"),
+    (chat(n=2, kv_transfer_params={"do_remote_prefill": True, "transfer_id": "t"}), 400, "unsupported_parameter", "n"),
+    (chat("a\ud800b"), 400, "invalid_value", "messages[0].content"),
+    (chat(stop_token_ids=[10**6]), 400, "invalid_value", "stop_token_ids"),
+    (chat(logit_bias={"99999": 5}), 400, "invalid_value", "logit_bias"),
+    (chat(structured_outputs={"regex": "[0-9]+("}), 400, "invalid_grammar", "structured_outputs.regex"),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}), 400, "invalid_grammar",
+     "response_format.json_schema.schema"),
+    (chat(tool_choice="required"), 400, "invalid_value", "tool_choice"),
     (chat(stop=[""]), 400, "invalid_value", "stop"),
     (chat(stream=True, stream_options="yes"), 400, "invalid_type", "stream_options"),
     (chat(stream_options={"include_usage": True}), 400, "invalid_value", "stream_options"),
     (chat(kv_transfer_params={"do_remote_decode": True, "transfer_id": "t"}), 400, "missing_required_parameter", "kv_transfer_params.decode_kv_addr"),
     (chat(kv_transfer_params={"do_remote_decode": True, "transfer_id": "t", "decode_kv_addr": "nohost"}), 400, "invalid_value", "kv_transfer_params.decode_kv_addr"),
-    (chat(logprobs=True), 400, "unsupported_parameter", "logprobs"),
 ]
 
 
@@ -263,7 +269,7 @@ async def test_eos_stops_generation_unless_ignore_eos(engine_client, monkeypatch
     """A sampled end-of-sequence token ends the completion (finish_reason stop); vLLM's ignore_eos runs on to max_tokens."""
     engine = await engine_client()
     eos = engine.engine.model.tokenizer.eos_id
-    monkeypatch.setattr("stack.engine.scheduler.sample", lambda *args: eos)  # the model "wants" to stop at once
+    monkeypatch.setattr("stack.engine.scheduler.sample", lambda *args, **kwargs: eos)  # the model "wants" to stop at once
     response = await engine.client.post("/v1/chat/completions", json=chat(max_tokens=5, ignore_eos=ignore_eos))
 
     body = await response.json()

@@ -132,3 +132,29 @@ async def test_completions_endpoint_hands_off_too(engine_client, max_tokens: int
         assert pool.free_blocks == pool.total_blocks
     assert decode.engine.handoff.consumer.buffer_used == 0
 
+
+
+async def test_pd_pair_streams_the_same_constrained_json_as_colocated(trio: Trio) -> None:
+    """json_schema over engine processes (byte tokenizer and HF tokenizer.json): prefill's first token advances
+    decode's grammar matcher, so the streamed JSON equals the colocated one and validates."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}}, "required": ["ok", "n"]}
+    body = chat("answer in JSON", max_tokens=60, stream=True, temperature=0, logprobs=True,
+                response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    request_id = f"pdj-{uuid.uuid4().hex[:8]}"
+    kv_addr = f"127.0.0.1:{trio.decode.kv_port()}"
+    async with aiohttp.ClientSession() as session:
+        colocated = await stream_chunks(session, trio.both.url, body, f"colo-{request_id}")
+        async with session.post(f"{trio.prefill.url}/v1/chat/completions", json=prefill_leg(body, f"t-{request_id}", kv_addr),
+                                headers={"X-Request-ID": request_id}) as response:
+            assert response.status == 200, await response.text()
+            params = (await response.json())["kv_transfer_params"]
+        disaggregated = await stream_chunks(session, trio.decode.url, body | {"kv_transfer_params": params}, request_id)
+
+    def pieces(chunks: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+        return [(c["choices"][0]["delta"].get("content", ""), c["choices"][0]["logprobs"]) for c in chunks if c["choices"]]
+
+    assert pieces(disaggregated) == pieces(colocated)
+    jsonschema.validate(json.loads("".join(text for text, _ in pieces(colocated))), schema)
+    assert colocated[-1]["choices"][0]["finish_reason"] == "stop"

@@ -121,3 +121,25 @@ def test_labels_name_the_clients_own_field() -> None:
     """A translated request (Anthropic stop_sequences → stop) names the field the client sent."""
     err = refused("chat", chat(stop=[""]), labels={"stop": "stop_sequences"})
     assert err.param == "stop_sequences" and "'stop_sequences'" in err.message
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"model": "m", "messages": [{"role": "user", "content": "half an emoji \ud83d"}]}, "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages[0].content[0].text"),
+    ({"model": "m", "messages": [{"role": "user", "content": "ok"}], "stop": ["\ud800"]}, "stop[0]"),
+    ({"model": "m", "messages": [{"role": "user", "content": "ok"}], "tools": [{"type": "function", "function": {
+        "name": "f", "description": "\udfff"}}]}, "tools[0].function.description"),
+])
+def test_lone_surrogates_are_a_400_naming_the_field(body: dict, param: str) -> None:
+    """Text no tokenizer can encode (a lone UTF-16 surrogate) is refused at parse time, router and engine alike."""
+    with pytest.raises(InvalidRequest, match="lone UTF-16 surrogate") as caught:
+        parse("chat", body)
+    assert caught.value.param == param
+
+
+def test_surrogate_pairs_are_fine() -> None:
+    """A whole emoji (a valid surrogate pair in JSON) parses to one character."""
+    import json
+
+    body = json.loads('{"model": "m", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}')
+    assert parse("chat", body).messages[0].content == "\U0001F600"

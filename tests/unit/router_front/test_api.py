@@ -11,16 +11,23 @@ from stack.common import sse
 from tests.unit.router_front.conftest import BACKEND_MODEL, KEY, MODEL, auth, chat_body, log_events
 
 
-async def test_request_id_is_accepted_forwarded_and_echoed(router, engine, logs) -> None:
-    """A client's X-Request-ID reaches the engine, comes back on the response and tags the router's log lines."""
-    response = await router.post("/v1/chat/completions", json=chat_body(), headers={**auth(), "X-Request-ID": "trace-42"})
-    assert response.status == 200 and response.headers["X-Request-ID"] == "trace-42"
-    assert engine.requests[-1]["request_id"] == "trace-42"
+async def test_request_id_is_unique_and_the_clients_is_kept_and_echoed(router, engine, logs) -> None:
+    """Every request gets its own id (engine legs, logs, X-Request-ID); a client's X-Request-ID is echoed in
+    X-Client-Request-ID and logged as client_request_id on its lines, even when two requests send the same one."""
+    ids = []
+    for _ in range(2):
+        response = await router.post("/v1/chat/completions", json=chat_body(), headers={**auth(), "X-Request-ID": "trace-42"})
+        assert response.status == 200 and response.headers["X-Client-Request-ID"] == "trace-42"
+        ids.append(response.headers["X-Request-ID"])
+        assert engine.requests[-1]["request_id"] == ids[-1]
     stream = await router.post("/v1/messages", json=chat_body(stream=True), headers={**auth(), "X-Request-ID": "trace-43"})
     await stream.read()
-    assert stream.headers["X-Request-ID"] == "trace-43" and engine.requests[-1]["request_id"] == "trace-43"
+    assert stream.headers["X-Client-Request-ID"] == "trace-43" and engine.requests[-1]["request_id"] == stream.headers["X-Request-ID"]
+    ids.append(stream.headers["X-Request-ID"])
+    assert len(set(ids)) == 3 and "trace-42" not in ids
     done = [e for e in log_events(logs) if e["event"] == "router.request_done"]
-    assert [e["request_id"] for e in done] == ["trace-42", "trace-43"]
+    assert [e["request_id"] for e in done] == ids
+    assert [e["client_request_id"] for e in done] == ["trace-42", "trace-42", "trace-43"]  # on every line of the request
 
 
 async def test_engine_gets_the_backend_model_and_only_supported_fields(router, engine) -> None:

@@ -90,3 +90,16 @@ async def test_router_and_engine_agree(router: TestClient, session: aiohttp.Clie
     assert through_router[2] != "upstream_rejected", f"the router accepted {field}={value!r} and the engine refused it: {engine_alone}"
     assert through_router == engine_alone
     assert through_router[0] in (200, 400)
+
+
+@pytest.mark.parametrize("kind", sorted(PATHS))
+async def test_a_limit_only_the_model_knows_keeps_the_engines_param_and_code(router: TestClient, session: aiohttp.ClientSession,
+                                                                             real_engine: RealEngine, kind: str) -> None:
+    """The context length is the engine's to check (the router cannot know it): its 400 reaches the client with
+    the engine's own param and code, not a generic upstream_rejected."""
+    body = {**BASE[kind], "max_tokens": 10**6}
+    through_router = await verdict(await router.post(PATHS[kind], json=body, headers=auth()))
+    async with session.post(real_engine.url + PATHS[kind], json=body) as response:
+        engine_alone = await verdict(response)
+    assert engine_alone == (400, "max_tokens", "context_length_exceeded")
+    assert through_router == engine_alone

@@ -74,17 +74,18 @@ async def test_finished_requests_reach_the_file_within_the_flush_interval(make_r
 def test_a_failed_write_keeps_the_requests_for_the_next_one(tmp_path) -> None:
     """If the file cannot be written (here: its table vanished), nothing is lost: the next flush writes it all."""
     store = UsageStore(tmp_path / "usage.sqlite3")
-    store.add("alice", 10, 5)
+    store.add("alice", 10, 5)  # written through at once
+    assert store.pending == 0
     other = sqlite3.connect(tmp_path / "usage.sqlite3")
     other.execute("ALTER TABLE key_usage RENAME TO moved")
     other.commit()
+    store.add("alice", 1, 1)  # its write fails: it stays queued
     with pytest.raises(sqlite3.OperationalError, match="no such table"):
         store.flush()
-    store.add("alice", 1, 1)
-    assert store.pending == 2 and store.get("alice").total_tokens == 17  # memory stays right meanwhile
+    assert store.pending == 1 and store.get("alice").total_tokens == 17  # memory stays right meanwhile
     other.execute("ALTER TABLE moved RENAME TO key_usage")
     other.commit()
-    assert store.flush() == 2 and store.pending == 0
+    assert store.flush() == 1 and store.pending == 0
     store.close()
     assert other.execute("SELECT requests, prompt_tokens, completion_tokens FROM key_usage").fetchall() == [(2, 11, 6)]
     other.close()

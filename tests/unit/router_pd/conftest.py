@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -52,9 +53,14 @@ def logs() -> LogCapture:
     return capture
 
 
+# Real engines started here answer only callers with this key (stack/common/internal_auth.py), as in compose.
+INTERNAL_KEY = "pd-test-internal-key-0123456789"
+
+
 @pytest.fixture
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
+    """The router's upstream session in these tests: it carries the internal key, as upstream.new_session does."""
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {INTERNAL_KEY}"}) as s:
         yield s
 
 
@@ -179,7 +185,8 @@ class EngineProcess:
     def start(self) -> EngineProcess:
         cmd = [sys.executable, "-m", "stack.engine", "--config", str(self.config_path), "--host", "127.0.0.1", "--port", str(self.port),
                "--health-port", str(self.health_port), "--kv-port", str(self.kv_port), "--checkpoint", self.checkpoint]
-        self.proc = subprocess.Popen(cmd, stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT, cwd=REPO)
+        self.proc = subprocess.Popen(cmd, stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT, cwd=REPO,
+                                     env={**os.environ, "PD_INTERNAL_KEY": INTERNAL_KEY})
         return self
 
     async def ready(self, timeout_s: float = 60.0) -> None:

@@ -61,6 +61,7 @@ class Faults:
     error_after_chunks: int | None = None  # send a vLLM-style in-band error frame after this many chunks, then [DONE]
     burst: bool = False  # write the whole stream at once (a fast engine, or a router running behind, reads it so)
     delay_s: float = 0.0  # wait before answering (keeps slots busy)
+    kv_push_failed: int = 0  # a prefill leg answers our engine's 502 kv_connect_failed (its push to decode failed)
 
 
 @dataclass
@@ -135,6 +136,10 @@ class FakeEngine:
             faults.http_500 -= 1
             return web.json_response({"error": {"message": "CUDA out of memory (fake)", "type": "server_error"}}, status=500)
         params = body.get("kv_transfer_params") or {}
+        if faults.kv_push_failed and params.get("do_remote_decode"):
+            faults.kv_push_failed -= 1
+            message = f"cannot push KV to decode_kv_addr {params.get('decode_kv_addr')}: gaierror: Name or service not known"
+            return web.json_response({"error": {"message": message, "type": "upstream_error", "code": "kv_connect_failed"}}, status=502)
         if params.get("do_remote_decode"):
             return self._prefill_answer(body, params)
         if not body.get("stream"):

@@ -28,9 +28,10 @@ async def collect(client, request_id="r1", body=CHAT):
 
 
 def assert_prefill_leg(leg: dict) -> None:
-    """vLLM's toy proxy's prefill leg: one token, not streamed, no min_tokens or stream_options."""
+    """vLLM's toy proxy's prefill leg: one token, not streamed, no stream_options; the client's min_tokens 2
+    becomes 1 (that one token, which our decode continues from, must not be EOS; vLLM needs min ≤ max)."""
     assert leg["max_tokens"] == 1 and leg["stream"] is False
-    assert "stream_options" not in leg and "min_tokens" not in leg
+    assert "stream_options" not in leg and leg["min_tokens"] == 1
 
 
 def assert_decode_leg(leg: dict) -> None:

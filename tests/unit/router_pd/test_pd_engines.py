@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 from stack.common import events
 from stack.common.errors import InvalidRequest, Overloaded, UpstreamError
 from stack.common.health import SERVING, probe_async
-from tests.unit.router_pd.conftest import REPO, free_port, relay_app, router_settings, wait_for_state
+from tests.unit.router_pd.conftest import INTERNAL_KEY, REPO, free_port, relay_app, router_settings, wait_for_state
 from tests.unit.router_pd.fake_engine import chunk_text
 
 MODEL = "your-model-id"
@@ -152,7 +153,8 @@ async def test_router_process_cancels_a_non_streamed_request_whose_client_left(e
                                server=f"port = {port}\nhealth_port = {health_port}")
     log = tmp_path / "router.log"
     router = subprocess.Popen([sys.executable, "-m", "stack.router", "--config", str(settings)], cwd=REPO,
-                              env={**os.environ, "PD_TEST_KEY": "k" * 32}, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+                              env={**os.environ, "PD_TEST_KEY": "k" * 32, "PD_INTERNAL_KEY": INTERNAL_KEY}, stdout=log.open("wb"),
+                              stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30  # upper bound: router start on a busy 2-core box
         while await probe_async(f"127.0.0.1:{health_port}", 1.0) != SERVING:
@@ -164,7 +166,10 @@ async def test_router_process_cancels_a_non_streamed_request_whose_client_left(e
                                    headers={"Authorization": "Bearer " + "k" * 32, "X-Request-ID": "hangup"})
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(request, 2.0)  # the client gives up long before 1500 tokens
-        cancelled = await wait_for_event(decode, events.ENGINE_REQUEST_CANCELLED, "hangup", timeout_s=15)
+        # The router names the request itself (a client's X-Request-ID is only client_request_id): find its id.
+        received = [json.loads(line) for line in log.read_text().splitlines() if '"router.request_received"' in line]
+        assert len(received) == 1, log.read_text()[-2000:]
+        cancelled = await wait_for_event(decode, events.ENGINE_REQUEST_CANCELLED, received[0]["request_id"], timeout_s=15)
         assert cancelled["kv_blocks_freed"] > 0
     finally:
         router.terminate()

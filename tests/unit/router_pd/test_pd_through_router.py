@@ -11,7 +11,7 @@ import openai
 
 from stack.router import config as router_config
 from stack.router.app import create_app
-from tests.unit.router_pd.conftest import router_settings
+from tests.unit.router_pd.conftest import INTERNAL_KEY, router_settings
 
 KEY = "pd-test-key-0123456789abcdefghij"
 MODEL = "public-model"
@@ -19,7 +19,7 @@ PROMPT = [{"role": "user", "content": "Tell me about disaggregated serving."}]
 
 
 async def start_router(aiohttp_client: Any, path: Path) -> Any:
-    app = create_app(router_config.load(path, env={}), env={"PD_TEST_KEY": KEY})
+    app = create_app(router_config.load(path, env={}), env={"PD_TEST_KEY": KEY, "PD_INTERNAL_KEY": INTERNAL_KEY})
     return await aiohttp_client(app)
 
 

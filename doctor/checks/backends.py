@@ -1,0 +1,48 @@
+"""A backend that is gone: the router answers 503 no_prefill_backend / no_decode_backend.
+
+Relies on the router's http.error (code no_prefill_backend | no_decode_backend), backend.health
+(state down, with its reason) and, when read live, the container's state (exited, OOM-killed, exit code).
+The vLLM P2pNccl registry mode has its own diagnosis (p2pnccl).
+"""
+
+from __future__ import annotations
+
+from doctor.findings import Context, Finding, finding
+from stack.common import events
+
+
+def check(ctx: Context) -> list[Finding]:
+    registry = any(r[events.VALUE] == "(registry)" for r in ctx.by_event(events.CONFIG_IGNORED) if r.service == "router")
+    if registry or ctx.by_event(events.P2PNCCL_JOINED):
+        return []
+    out: list[Finding] = []
+    refused = [r for r in ctx.by_event(events.HTTP_ERROR) if r.service == "router"
+               and r[events.CODE] in ("no_prefill_backend", "no_decode_backend")]
+    for role in ("prefill", "decode"):
+        failed = [r for r in refused if r[events.CODE] == f"no_{role}_backend"]
+        if not failed:
+            continue
+        down = [r for r in ctx.by_event(events.BACKEND_HEALTH) if r[events.ROLE] == role and r[events.STATE] == "down"]
+        state = (ctx.docker or {}).get("services", {}).get(role)
+        exit_info = (ctx.docker or {}).get("exits", {}).get(role) or {}
+        last = [r for r in ctx.records if r.service == role][-2:]
+        container = ""
+        if state:
+            container = f" Its container is {state}"
+            if exit_info.get("oom"):
+                container += " (OOM-killed)"
+            elif exit_info.get("exit_code") not in (None, 0):
+                container += f" (exit code {exit_info['exit_code']})"
+            container += "."
+        reasons = sorted({r[events.REASON] or "?" for r in down})
+        out.append(finding(
+            f"backend.{role}_down", "error",
+            f"No {role} backend is up: {len(failed)} request(s) got 503 no_{role}_backend",
+            f"The router has no healthy {role} engine to send requests to"
+            + (f"; it marked it down ({', '.join(reasons)})" if down else "") + "." + container
+            + (" Exit code 137 / OOM-killed means the kernel killed it for memory." if exit_info.get("oom") or
+               exit_info.get("exit_code") == 137 else ""),
+            f"docker compose ps {role}; docker compose logs {role} --tail 50; then docker compose up -d {role} "
+            "(if it was OOM-killed: a smaller checkpoint or more memory for the container)",
+            failed[:3] + down[:2] + last, [r.request_id for r in failed]))
+    return out
