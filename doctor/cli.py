@@ -162,7 +162,7 @@ def _explain(args: argparse.Namespace, stdin: TextIO | None, out: TextIO) -> int
     args.client_log = []
     try:
         ctx, _ = load_context(args, stdin)
-        timeline = ctx.timelines.get(args.request_id)
+        timeline = ctx.timeline(args.request_id)  # the router's id or the client's X-Request-ID
         if timeline is None:
             raise DoctorError(f"{args.request_id}: not in the logs ({len(ctx.timelines)} requests seen)")
         picture = None

@@ -1,9 +1,11 @@
 """Clients that talk to an engine directly (a published engine port), not through the router.
 
-A request an engine served that has no router line and is no PD leg never went through the router:
-no key check, no limits, no PD. Relies on engine.request_received (pd_leg null) and on the router's
-lines being collected (without them every engine request would look like this). The engines do not
-log the caller's address; when read live, the published ports of the engine containers are named.
+Two shapes. Engines that hold PD_INTERNAL_KEY (every ./pd and compose stack) refuse such a caller with
+401 internal_key_required and log internal_auth.rejected with its address: `engine.bypass_refused`.
+Engines without the key serve it: a request an engine served that has no router line and is no PD leg
+never went through the router (no key check, no limits, no PD): `engine.bypassed_router`. That relies
+on engine.request_received (pd_leg null) and on the router's lines being collected (without them
+every engine request would look like this). When read live, the engines' published ports are named.
 """
 
 from __future__ import annotations
@@ -15,6 +17,34 @@ ENGINES = ("prefill", "decode")
 
 
 def check(ctx: Context) -> list[Finding]:
+    return _refused(ctx) + _served(ctx)
+
+
+def _published(ctx: Context) -> dict[str, list[str]]:
+    return {s: p for s, p in ((ctx.docker or {}).get("published") or {}).items() if s in ENGINES and p}
+
+
+def _refused(ctx: Context) -> list[Finding]:
+    refused = [r for r in ctx.by_event(events.INTERNAL_AUTH_REJECTED) if r.service in ENGINES]
+    if not refused:
+        return []
+    peers = sorted({r[events.PEER] or "?" for r in refused})
+    services = sorted({r.service for r in refused})
+    where = "; ".join(f"{s} publishes {', '.join(p)}" for s, p in _published(ctx).items())
+    return [finding(
+        "engine.bypass_refused", "warning",
+        f"{len(refused)} call(s) to {', '.join(services)} without the router's internal key were refused (401) "
+        f"from {', '.join(peers)}",
+        "A client (or a script) calls an engine directly instead of the router; the engine answers only its "
+        "router (Authorization: Bearer <PD_INTERNAL_KEY>), so that client gets 401 internal_key_required."
+        + (f" {where}." if where else ""),
+        f"point the client at the router ({ctx.env.router_url}/v1) with the unified key; "
+        f"find it by its address ({', '.join(peers)})"
+        + (f"; remove the published port of {' '.join(sorted(_published(ctx)))}" if where else ""),
+        refused[:4], [r.request_id for r in refused])]
+
+
+def _served(ctx: Context) -> list[Finding]:
     if "router" not in ctx.services_seen() and "router" not in ((ctx.docker or {}).get("services") or {}):
         return []
     # Start from the engine requests that are no PD leg (rare on a PD stack), then look for a router line.
@@ -30,7 +60,7 @@ def check(ctx: Context) -> list[Finding]:
         first = t.first(events.ENGINE_REQUEST_RECEIVED)
         by_service[first.service] = by_service.get(first.service, 0) + 1
         evidence += t.events(events.ENGINE_REQUEST_RECEIVED, events.HTTP_ACCESS)[:2]
-    published = {s: p for s, p in ((ctx.docker or {}).get("published") or {}).items() if s in ENGINES and p}
+    published = _published(ctx)
     where = "; ".join(f"{s} publishes {', '.join(p)}" for s, p in published.items())
     services = ", ".join(f"{s} ×{n}" for s, n in by_service.items())
     fix_services = " ".join(sorted(published or by_service))

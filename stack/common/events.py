@@ -139,7 +139,7 @@ DETAIL = Field("detail", str, "KV transfer of 8192000 bytes does not fit the rec
 KV_PORT = Field("kv_port", int, 9100, "the port decode's KV listener is bound to")
 KV_BUFFER_SIZE = Field("kv_buffer_size", float, 8e9, "decode's KV receive buffer, bytes")
 KV_LEASE_MS = Field("kv_lease_ms", int, 30000, "unclaimed KV is freed after this")
-PEER = Field("peer", str, "172.18.0.3:41822", "the pushing side's address")
+PEER = Field("peer", str, "172.18.0.3:41822", "the remote side's address (a KV pusher, an HTTP caller)")
 RECEIVE_MS = Field("receive_ms", float, 1.2)
 WAIT_MS = Field("wait_ms", float, 0.3, "how long the decode request waited for its KV")
 WAITED_MS = Field("waited_ms", float, 5000.0)
@@ -199,7 +199,6 @@ WORST_CASE_S = Field("worst_case_s", dict, {"first_byte_s": 120.0}, "the request
 # Any service: abuse limits and liveness
 STALLED_S = Field("stalled_s", float, 31.2, "how long the event loop did not tick")
 LIMIT_S = Field("limit_s", float, 30.0, "the bound that was passed")
-PEER = Field("peer", str, "172.18.0.1", "the remote address")
 
 # -- any service -------------------------------------------------------------------------------
 SERVICE_STARTING = Event(

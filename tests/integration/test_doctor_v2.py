@@ -204,19 +204,20 @@ def test_pd_config_mismatch_names_key_values_and_files(stack: Stack, home, decod
 
 
 def test_published_engine_port_is_a_router_bypass(stack: Stack, home, decode_v2):
-    """A client calls decode's published port directly → engine.bypassed_router naming the published port."""
+    """A client calls decode's published port directly: decode refuses it (401, it answers only the router's
+    internal key) → engine.bypass_refused naming the caller's address and the published port."""
     rid = new_id("bypass")
     status, body = _post(f"{decode_v2}/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4}, None, rid)
-    assert status == 200, body
-    wait_logged(stack, "decode", "engine.request_finished", rid)
-    code, doc = diagnose(stack, home, "--request-id", rid)
-    assert code == 1
-    f = finding(doc, "engine.bypassed_router")
-    assert f["request_ids"] == [rid] and services(f) == {"decode"}
-    assert "decode publishes 127.0.0.1:" in f["cause"]
+    assert status == 401 and body["error"]["code"] == "internal_key_required", body
+    wait_logged(stack, "decode", "internal_auth.rejected", rid)
+    code, doc = diagnose(stack, home, "--request-id", rid, "--strict")
+    assert code == 1  # a warning: the stack protected itself, the client is misconfigured
+    f = finding(doc, "engine.bypass_refused")
+    assert f["severity"] == "warning" and f["request_ids"] == [rid] and services(f) == {"decode"}
+    assert "decode publishes 127.0.0.1:" in f["cause"] and "refused (401) from " in f["title"]
     # The overlay's other fault is real and still there: the mounted configs disagree on max_model_len (a
     # warning, since this request did not hit it). Nothing else may be reported.
-    assert problems(doc) == {"engine.bypassed_router", "config.pd_mismatch"}
+    assert problems(doc) == {"engine.bypass_refused", "config.pd_mismatch"}
     mismatch = finding(doc, "config.pd_mismatch")
     assert mismatch["severity"] == "warning" and "max_model_len: prefill None, decode 64" in mismatch["cause"]
 

@@ -214,3 +214,22 @@ def test_kv_port_the_router_was_given_but_decode_does_not_use(tmp_path):
     assert {"router", "decode"} <= services(f)
     assert "KV_TRANSFER_PORT in .env" in f.fix and "decode/config.json" in f.fix
     assert [x.id for x in findings if x.severity == "error"] == []
+
+
+def test_a_caller_refused_by_an_engine_is_a_router_bypass(tmp_path):
+    """internal_auth.rejected on decode (a client called the engine directly; it answers only the router's key)
+    → engine.bypass_refused, a warning naming the caller's address, with decode's line as evidence."""
+    from tests.unit.doctor.scenarios import request, startup
+
+    log = Log()
+    startup(log)
+    request(log, 1)
+    log.ev("decode", events.INTERNAL_AUTH_REJECTED, "refused POST /v1/completions: not the router's PD_INTERNAL_KEY",
+           "direct-1", path="/v1/completions", peer="172.18.0.1")
+    log.write(tmp_path / "stack.log", "v2")
+    findings, _ = diagnose(tmp_path / "stack.log")
+    f = by_id(findings, "engine.bypass_refused")
+    assert f.severity == "warning" and f.request_ids == ("direct-1",)
+    assert "from 172.18.0.1" in f.title and services(f) == {"decode"}
+    assert "/v1" in f.fix and "172.18.0.1" in f.fix
+    assert [x.id for x in findings if x.severity == "error"] == []
