@@ -27,6 +27,7 @@ class Choice:
         self.parser = ToolCallParser() if req.tools and req.kind == "chat" else None
         self.text = ""
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # vLLM's choice field: the stop string / token id that matched
         self.logprobs: list[dict[str, Any]] = []  # chat entries
         self.legacy: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         self._offset = 0  # completions: characters of the token strings so far (text_offset)
@@ -53,7 +54,7 @@ class Choice:
             self._events(out)
         self._logprobs(out.logprobs)
         if out.finish_reason is not None:
-            self.finish_reason = self._finish(out.finish_reason)
+            self.finish_reason, self.stop_reason = self._finish(out.finish_reason), out.stop_reason
 
     def body(self) -> dict[str, Any]:
         assert self.finish_reason is not None, "a choice body needs its last output"
@@ -61,7 +62,8 @@ class Choice:
             text, calls = self.parser.content, message_tool_calls(self.parser.calls)
         else:
             text, calls = self.text, []
-        return protocol.choice_body(self.req.kind, self.index, text, self.finish_reason, self._logprobs_json(), calls or None)
+        body = protocol.choice_body(self.req.kind, self.index, text, self.finish_reason, self._logprobs_json(), calls or None)
+        return body | {"stop_reason": self.stop_reason}
 
     def chunks(self, out: Output, ids: ResponseIds) -> list[dict[str, Any]]:
         """The stream chunks for one output (possibly none); the last output's last chunk has the finish reason."""
@@ -79,10 +81,9 @@ class Choice:
                 chunks.append(protocol.chunk_body(kind, ids, None, None, False, index=self.index, tool_calls=delta_tool_calls(event)))
         if out.finish_reason is not None:
             reason = self._finish(out.finish_reason)
-            if chunks and not chunks[-1]["choices"][0].get("delta", {}).get("tool_calls"):
-                chunks[-1]["choices"][0]["finish_reason"] = reason
-            else:
+            if not chunks or chunks[-1]["choices"][0].get("delta", {}).get("tool_calls"):
                 chunks.append(protocol.chunk_body(kind, ids, None, reason, False, index=self.index))
+            chunks[-1]["choices"][0] |= {"finish_reason": reason, "stop_reason": out.stop_reason}
         return chunks
 
     # -- logprobs --------------------------------------------------------------------------------

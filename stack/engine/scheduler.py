@@ -60,6 +60,7 @@ class Output:
     num_tokens: int  # completion tokens so far
     finish_reason: str | None = None  # stop | length | abort | error
     logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens sampled since the last output (params.logprobs set)
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_id that ended it (None for EOS, length)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,7 @@ class Sequence:
     text: str = ""
     sent: int = 0  # characters of `text` already emitted
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # see Output.stop_reason
     cancelled: bool = False
     queued_logged: bool = False
     arrival: float = field(default_factory=time.perf_counter)
@@ -403,16 +405,18 @@ class Scheduler:
                       ttft_ms=round((time.perf_counter() - seq.arrival) * 1000, 2))
         stops = seq.params.stop
         assert seq.detok is not None
-        if (token in self.model.tokenizer.stop_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
+        if token in seq.params.stop_token_ids or (token in self.model.tokenizer.stop_ids and not seq.params.ignore_eos):
             seq.text += seq.detok.flush()
+            seq.stop_reason = token if token in seq.params.stop_token_ids else None
             self._finish(seq, "stop")
             return
         seq.text += seq.detok.push(token)
         if stops:
             search_from = max(0, seq.sent - max(map(len, stops)))
-            hits = [i for i in (seq.text.find(s, search_from) for s in stops) if i >= 0]
+            hits = [(i, s) for s in stops if (i := seq.text.find(s, search_from)) >= 0]
             if hits:
-                seq.text = seq.text[: min(hits)]
+                at, seq.stop_reason = min(hits, key=lambda hit: (hit[0], len(hit[1])))  # earliest; on a tie, the shorter (done first)
+                seq.text = seq.text[:at]
                 self._finish(seq, "stop")
                 return
         if len(seq.output) >= seq.params.max_tokens:
@@ -443,7 +447,7 @@ class Scheduler:
             seq.cache = None
         self._drop_start_kv(seq)
         self.metrics.on_finish(seq, reason, time.perf_counter())
-        seq.outputs.put_nowait(Output(tail, len(seq.output), reason, self._take_logprobs(seq)))
+        seq.outputs.put_nowait(Output(tail, len(seq.output), reason, self._take_logprobs(seq), seq.stop_reason))
         if reason in ("stop", "length"):
             log_event(events.ENGINE_REQUEST_FINISHED, f"finished ({reason}) after {len(seq.output)} tokens", request_id=seq.request_id,
                       prompt_tokens=len(seq.prompt), completion_tokens=len(seq.output), finish_reason=reason,

@@ -199,6 +199,8 @@ async def test_sampling_extras_steer_the_engine(sdk) -> None:
     stopped = await client.completions.create(model="tiny", prompt="x", max_tokens=4, logit_bias={"65": 100}, seed=1,
                                               extra_body={"stop_token_ids": [65]})
     assert (stopped.choices[0].text, stopped.choices[0].finish_reason, stopped.usage.completion_tokens) == ("", "stop", 1)
+    assert stopped.choices[0].model_extra["stop_reason"] == 65  # vLLM's choice field: the stop token id
+    assert forced.choices[0].model_extra["stop_reason"] is None  # length: nothing matched
     eos = 257  # the byte tokenizer's <|eos|>
     held = await client.completions.create(model="tiny", prompt="x", max_tokens=10, logit_bias={str(eos): 100}, seed=1,
                                            extra_body={"min_tokens": 3})
@@ -256,3 +258,14 @@ async def test_hf_tokenizer_checkpoint_gets_constrained_too(engine_client, tmp_p
     picked = await (await engine.client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 20,
                                                                         "structured_outputs": {"choice": ["red", "green"]}})).json()
     assert picked["choices"][0]["text"] in ("red", "green")
+
+
+async def test_the_stop_string_that_matched_is_the_choices_stop_reason(sdk) -> None:
+    """As vLLM: a stop string ends the text before it and is named in the choice's `stop_reason`, streamed and not."""
+    _, client = sdk
+    body = dict(model="tiny", prompt="x", max_tokens=8, logit_bias={"65": 100}, seed=1, stop=["zz", "AA"])
+    answer = await client.completions.create(**body)
+    assert (answer.choices[0].text, answer.choices[0].finish_reason, answer.choices[0].model_extra["stop_reason"]) == ("", "stop", "AA")
+    chunks = [chunk async for chunk in await client.completions.create(**body, stream=True)]
+    last = [c for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+    assert (last.choices[0].finish_reason, last.choices[0].model_extra["stop_reason"]) == ("stop", "AA")

@@ -169,6 +169,22 @@ async def test_claude_code_session(claude) -> None:
                                                      for use in uses]})
 
 
+async def test_a_stop_sequence_that_matched_is_named_streamed_and_not(claude) -> None:
+    """Anthropic's stop_reason "stop_sequence" with the string that matched, from our engine's choice stop_reason. The
+    stop is cut from greedy output seen first, so it matches whatever the random weights write."""
+    ask = dict(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "Say something."}], extra_body={"temperature": 0})
+    free = await claude.messages.create(**ask)
+    text = free.content[0].text
+    stop = next(text[i:i + 2] for i in range(1, len(text) - 1) if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2])
+    answer = await claude.messages.create(**ask, stop_sequences=[stop])
+    assert (answer.stop_reason, answer.stop_sequence) == ("stop_sequence", stop)
+    assert "".join(block.text for block in answer.content) == text[:text.index(stop)]
+    async with claude.messages.stream(**ask, stop_sequences=[stop]) as stream:
+        streamed = await stream.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
+    assert "".join(block.text for block in streamed.content) == text[:text.index(stop)]
+
+
 async def _final(stream: Any) -> Any:
     """The response of the terminal event: response.completed, or response.incomplete (max_output_tokens hit, as
     OpenAI ends such a stream; the SDK's get_final_response() only takes response.completed)."""
