@@ -43,14 +43,20 @@ def max_depth(structure: bytes) -> int:
 
 
 def check_body(raw: bytes) -> None:
-    """Raise InvalidRequest (code invalid_json) if `raw` breaks a limit above; the JSON itself is parsed later."""
+    """Raise InvalidRequest (code invalid_json) if `raw` breaks a limit above; the JSON itself is parsed later.
+
+    The exact scan runs only when a cheap bound says it might find something: a body with at most MAX_DEPTH
+    brackets cannot nest deeper (brackets inside strings only raise the count), and one with no long run of
+    number characters anywhere has no long number. Typical bodies pass on those two C-level looks alone."""
     surrogate = b"\\u" in raw and _LONE_SURROGATE.search(raw) or _RAW_SURROGATE.search(raw)
-    structure = _STRING.sub(b'""', raw)
-    depth = max_depth(structure)
-    if depth > MAX_DEPTH:
-        raise InvalidRequest(f"Request body nests JSON {depth} levels deep; at most {MAX_DEPTH} are accepted.", code="json_too_deep")
-    if _LONG_NUMBER.search(structure):
-        raise InvalidRequest(f"Request body has a number literal longer than {MAX_NUMBER_CHARS} characters.", code="json_number_too_long")
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH or _LONG_NUMBER.search(raw):
+        structure = _STRING.sub(b'""', raw)
+        depth = max_depth(structure)
+        if depth > MAX_DEPTH:
+            raise InvalidRequest(f"Request body nests JSON {depth} levels deep; at most {MAX_DEPTH} are accepted.", code="json_too_deep")
+        if _LONG_NUMBER.search(structure):
+            raise InvalidRequest(f"Request body has a number literal longer than {MAX_NUMBER_CHARS} characters.",
+                                 code="json_number_too_long")
     if surrogate:
         _name_surrogate(raw)
         raise InvalidRequest("Request body contains a lone UTF-16 surrogate escape (like \\ud800 without its pair); "

@@ -8,6 +8,8 @@ a chat request (Anthropic `stop_sequences` → `stop`) still names the field its
 
 from __future__ import annotations
 
+import json
+
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -55,11 +57,18 @@ def lone_surrogate(value: Any, where: str = "") -> tuple[str, int] | None:
     return None
 
 
-def check_unicode(value: Any, where: str = "") -> None:
-    """The 400 naming the field that holds a lone surrogate (see `lone_surrogate`)."""
+def check_unicode(value: Any, where: str = "", labels: Mapping[str, str] | None = None) -> None:
+    """The 400 naming the field that holds a lone surrogate (see `lone_surrogate`); `labels` renames the field as
+    the client's API calls it. One C-level encode says whether there is one; only then does the walk name it."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return
+    except (UnicodeEncodeError, TypeError, ValueError):  # TypeError/ValueError: not JSON data; the walk decides
+        pass
     found = lone_surrogate(value, where)
     if found is not None:
         field, index = found
+        field = (labels or {}).get(field, field)
         raise InvalidRequest(f"Invalid value for '{field or 'body'}': the text holds a lone UTF-16 surrogate at character {index}, "
                              "which is not valid Unicode (a character cut in half?); send well-formed text.",
                              param=field or None, code="invalid_value")

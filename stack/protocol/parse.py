@@ -8,14 +8,13 @@ what a backend can honour (stack.protocol.capabilities) come after, on the parse
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from stack.common.errors import InvalidRequest
 from stack.protocol.bounds import bounds_for
 from stack.protocol.constraints import parse_response_format, parse_structured_outputs, parse_tool_choice, parse_tools
-from stack.protocol.fields import Fields
+from stack.protocol.fields import Fields, check_unicode
 from stack.protocol.messages import parse_messages
 from stack.protocol.types import Kind, Request, Sampling
 
@@ -30,31 +29,9 @@ FIELDS: dict[Kind, frozenset[str]] = {
 _ROWS = {kind: {b.name: b for b in bounds_for(kind)} for kind in FIELDS}
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def check_encodable(value: Any, where: str = "", labels: Mapping[str, str] | None = None) -> None:
-    """400 naming the field if any string in `value` holds a lone UTF-16 surrogate (JSON "\\ud800"):
-    no tokenizer can encode it (what JavaScript clients send when they cut an emoji in half)."""
-    if isinstance(value, str):
-        hit = _SURROGATE.search(value)
-        if hit:
-            name = (labels or {}).get(where, where)
-            raise InvalidRequest(f"Invalid value for '{name}': the text contains a lone UTF-16 surrogate "
-                                 f"(U+{ord(hit.group()):04X} at character {hit.start()}), which cannot be encoded as UTF-8.",
-                                 param=name, code="invalid_value")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            check_encodable(key, where, labels)
-            check_encodable(item, f"{where}.{key}" if where else str(key), labels)
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            check_encodable(item, f"{where}[{i}]", labels)
-
-
 def parse(kind: Kind, body: dict[str, Any], *, labels: Mapping[str, str] | None = None) -> Request:
     """Validate `body` as a `kind` request; `labels` renames fields in error messages (see Fields)."""
-    check_encodable(body, labels=labels)
+    check_unicode(body, labels=labels)
     f = Fields(body, labels=labels)
     model = f.string("model", required=True) or ""
     messages = parse_messages(f) if kind == "chat" else ()

@@ -97,7 +97,7 @@ def _messages(f: Fields, caps: Capabilities) -> list[dict[str, Any]]:
             text = output if isinstance(output, str) else text_content(output, f"{where}.output", _TEXT_PARTS)
             result.append({"role": "tool", "tool_call_id": g.string("call_id", required=True), "content": text})
             continue
-        if kind != "message" or item.get("role") not in _ROLES:
+        if kind != "message" or not isinstance(item.get("role"), str) or item["role"] not in _ROLES:  # a list role: no hash
             raise InvalidRequest(f"Unsupported input item at '{where}' (type {kind!r}): only message, function_call, "
                                  "function_call_output and reasoning items are supported.", param=where, code="unsupported_input")
         result.append({"role": CHAT_ROLES[item["role"]], "content": text_content(item.get("content", ""), f"{where}.content", _TEXT_PARTS)})

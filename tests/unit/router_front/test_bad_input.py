@@ -99,6 +99,7 @@ UNSUPPORTED = [
     ("responses", {"tool_choice": {"type": "web_search"}}, "tool_choice", "runs no hosted tools"),
     ("responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0]", "(type 'input_image'): only input_text, output_text, text parts"),
+    ("responses", {"input": [{"role": []}]}, "input[0]", "only message, function_call"),  # found by the fuzz tier (a 500)
     ("messages", {"tool_choice": {"type": "any"}}, "tool_choice", "never calls tools"),
     ("messages", {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "messages[0].content[0]", "only text and tool_result"),
