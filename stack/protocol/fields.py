@@ -61,7 +61,7 @@ def check_unicode(value: Any, where: str = "", labels: Mapping[str, str] | None 
     """The 400 naming the field that holds a lone surrogate (see `lone_surrogate`); `labels` renames the field as
     the client's API calls it. One C-level encode says whether there is one; only then does the walk name it."""
     try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        (value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)).encode("utf-8")
         return
     except (UnicodeEncodeError, TypeError, ValueError):  # TypeError/ValueError: not JSON data; the walk decides
         pass
