@@ -5,8 +5,6 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
-have_image() { docker image inspect "$1" >/dev/null 2>&1; }
-
 if [[ -n "${BASE_IMAGE:-}" ]]; then
     have_image "$BASE_IMAGE" || docker pull "$BASE_IMAGE" >&2 || die "base image $BASE_IMAGE is not available"
     echo "$BASE_IMAGE"; exit 0
@@ -18,22 +16,7 @@ if have_image "$LOCAL_BASE"; then echo "$LOCAL_BASE"; exit 0; fi
 if timeout 120 docker pull --quiet "$DEFAULT_BASE" >/dev/null 2>&1; then echo "$DEFAULT_BASE"; exit 0; fi
 
 say "no registry for $DEFAULT_BASE: building $LOCAL_BASE from Debian packages"
-if ! command -v mmdebstrap >/dev/null; then
-    [[ "$(id -u)" == 0 ]] || die "mmdebstrap is missing; install it (apt-get install mmdebstrap) and rerun"
-    say "installing mmdebstrap"
-    apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >&2
-fi
-
-# The mirrors come from this machine's apt configuration (one-line or deb822 style), never a fixed host:
-# the main archive (bookworm and bookworm-updates) and, where configured, the security archive.
-mirrors="$( { grep -hsE '^(deb |URIs:)' /etc/apt/sources.list /etc/apt/sources.list.d/*.list \
-               /etc/apt/sources.list.d/*.sources || true; } | grep -oE '(https?|file)://[^ ]+')"
-mirror="$(grep -v -- '-security' <<<"$mirrors" | head -n1 || true)"
-security="$(grep -- '-security' <<<"$mirrors" | head -n1 || true)"
-[[ -n "$mirror" ]] || die "no Debian mirror found in /etc/apt/sources.list{,.d}"
-sources=("deb $mirror bookworm main" "deb $mirror bookworm-updates main")
-[[ -n "$security" ]] && sources+=("deb $security bookworm-security main")
+debian_sources
 
 tar="$CACHE/base-bookworm.tar"
 say "mmdebstrap bookworm from $mirror${security:+ with security updates from $security} (about 30 s)"

@@ -22,3 +22,26 @@ digest() { cat "$@" | sha256sum | cut -c1-16; }
 plugin_dir() { echo "${DOCKER_CONFIG:-$HOME/.docker}/cli-plugins"; }
 
 compose_ok() { docker compose version --short >/dev/null 2>&1; }
+
+have_image() { docker image inspect "$1" >/dev/null 2>&1; }
+
+# For images made from Debian packages (base-image.sh, prometheus-image.sh): installs mmdebstrap if it is
+# missing, and sets `mirror`, `security` and `sources` (mmdebstrap's source lines: bookworm and
+# bookworm-updates from the main archive and, where configured, bookworm-security). The mirrors come
+# from this machine's apt configuration (one-line or deb822 style), never a fixed host.
+debian_sources() {
+    if ! command -v mmdebstrap >/dev/null; then
+        [[ "$(id -u)" == 0 ]] || die "mmdebstrap is missing; install it (apt-get install mmdebstrap) and rerun"
+        say "installing mmdebstrap"
+        apt-get update -qq >&2
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >&2
+    fi
+    local mirrors
+    mirrors="$( { grep -hsE '^(deb |URIs:)' /etc/apt/sources.list /etc/apt/sources.list.d/*.list \
+                   /etc/apt/sources.list.d/*.sources || true; } | grep -oE '(https?|file)://[^ ]+')"
+    mirror="$(grep -v -- '-security' <<<"$mirrors" | head -n1 || true)"
+    security="$(grep -- '-security' <<<"$mirrors" | head -n1 || true)"
+    [[ -n "$mirror" ]] || die "no Debian mirror found in /etc/apt/sources.list{,.d}"
+    sources=("deb $mirror bookworm main" "deb $mirror bookworm-updates main")
+    if [[ -n "$security" ]]; then sources+=("deb $security bookworm-security main"); fi
+}

@@ -8,8 +8,6 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
 PROMETHEUS_IMAGE="${PROMETHEUS_IMAGE:-pd-deploy/prometheus:2.42}"
-have_image() { docker image inspect "$1" >/dev/null 2>&1; }
-
 if have_image "$PROMETHEUS_IMAGE"; then echo "$PROMETHEUS_IMAGE"; exit 0; fi
 if [[ "$PROMETHEUS_IMAGE" != pd-deploy/prometheus:* ]]; then
     docker pull "$PROMETHEUS_IMAGE" >&2 || die "Prometheus image $PROMETHEUS_IMAGE is not available"
@@ -17,20 +15,7 @@ if [[ "$PROMETHEUS_IMAGE" != pd-deploy/prometheus:* ]]; then
 fi
 
 say "building $PROMETHEUS_IMAGE from Debian packages (prometheus 2.42 + promtool; about a minute)"
-if ! command -v mmdebstrap >/dev/null; then
-    [[ "$(id -u)" == 0 ]] || die "mmdebstrap is missing; install it (apt-get install mmdebstrap) and rerun"
-    apt-get update -qq >&2
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >&2
-fi
-
-# The mirrors come from this machine's apt configuration, never a fixed host (as in base-image.sh).
-mirrors="$( { grep -hsE '^(deb |URIs:)' /etc/apt/sources.list /etc/apt/sources.list.d/*.list \
-               /etc/apt/sources.list.d/*.sources || true; } | grep -oE '(https?|file)://[^ ]+')"
-mirror="$(grep -v -- '-security' <<<"$mirrors" | head -n1 || true)"
-security="$(grep -- '-security' <<<"$mirrors" | head -n1 || true)"
-[[ -n "$mirror" ]] || die "no Debian mirror found in /etc/apt/sources.list{,.d}"
-sources=("deb $mirror bookworm main" "deb $mirror bookworm-updates main")
-[[ -n "$security" ]] && sources+=("deb $security bookworm-security main")
+debian_sources
 
 tar="$CACHE/prometheus-bookworm.tar"
 trap 'rm -f "$tar"' EXIT
