@@ -109,19 +109,23 @@ def _no_tools(where: str) -> InvalidRequest:
     return unsupported(where, "cannot be replayed: the backends have no tool calling (their declared capabilities)")
 
 
+def _blocks(content: Any, where: str) -> list[tuple[str, Any, Any, Fields]]:
+    """A turn's content blocks as (where, type, block, its fields); content that is no array is a 400."""
+    if not isinstance(content, list):
+        raise InvalidRequest(f"Invalid type for '{where}.content': expected a string or an array of content blocks.",
+                             param=f"{where}.content", code="invalid_type")
+    return [(f"{where}.content[{i}]", block.get("type") if isinstance(block, dict) else None, block,
+             Fields(block if isinstance(block, dict) else {}, f"{where}.content[{i}]."))
+            for i, block in enumerate(content)]
+
+
 def _user(message: dict[str, Any], where: str, caps: Capabilities) -> list[dict[str, Any]]:
     """A user turn: one `tool` message per tool_result block, then the text (if any) as a user message."""
     content = message["content"]
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
-    if not isinstance(content, list):
-        raise InvalidRequest(f"Invalid type for '{where}.content': expected a string or an array of content blocks.",
-                             param=f"{where}.content", code="invalid_type")
     results, texts = [], []
-    for i, block in enumerate(content):
-        at = f"{where}.content[{i}]"
-        kind = block.get("type") if isinstance(block, dict) else None
-        f = Fields(block if isinstance(block, dict) else {}, f"{at}.")
+    for at, kind, block, f in _blocks(content, where):
         if kind == "text":
             texts.append(f.string("text", required=True) or "")
         elif kind == "tool_result":
@@ -141,14 +145,8 @@ def _assistant(message: dict[str, Any], where: str, caps: Capabilities) -> list[
     content = message["content"]
     if isinstance(content, str):
         return [{"role": "assistant", "content": content}]
-    if not isinstance(content, list):
-        raise InvalidRequest(f"Invalid type for '{where}.content': expected a string or an array of content blocks.",
-                             param=f"{where}.content", code="invalid_type")
     texts, calls = [], []
-    for i, block in enumerate(content):
-        at = f"{where}.content[{i}]"
-        kind = block.get("type") if isinstance(block, dict) else None
-        f = Fields(block if isinstance(block, dict) else {}, f"{at}.")
+    for at, kind, _block, f in _blocks(content, where):
         if kind == "text":
             texts.append(f.string("text", required=True) or "")
         elif kind == "tool_use":
