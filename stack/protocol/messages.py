@@ -28,7 +28,7 @@ def text_content(content: Any, where: str, part_types: frozenset[str]) -> str:
     texts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind not in part_types or not isinstance(part.get("text"), str):
+        if not isinstance(kind, str) or kind not in part_types or not isinstance(part.get("text"), str):  # a list type: no hash
             raise InvalidRequest(f"Unsupported content part at '{where}[{i}]' (type {kind!r}): only {', '.join(sorted(part_types))} "
                                  "parts are supported.", param=f"{where}[{i}]", code="unsupported_content")
         texts.append(part["text"])

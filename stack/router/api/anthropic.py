@@ -73,7 +73,7 @@ from stack.router.pd import estimate_prompt_tokens
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
-_DROPPED_BLOCKS = {"thinking", "redacted_thinking", "server_tool_use", "web_search_tool_result"}
+_DROPPED_BLOCKS = ("thinking", "redacted_thinking", "server_tool_use", "web_search_tool_result")  # a tuple: a list `type` is compared, not hashed
 
 
 _NAMES = {"response_format": "output_config.format", "stop": "stop_sequences"}  # chat field -> the field this API's client sent (refusals name it)

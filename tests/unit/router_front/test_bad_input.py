@@ -100,6 +100,8 @@ UNSUPPORTED = [
     ("responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content[0]", "(type 'input_image'): only input_text, output_text, text parts"),
     ("responses", {"input": [{"role": []}]}, "input[0]", "only message, function_call"),  # found by the fuzz tier (a 500)
+    ("responses", {"input": [{"role": "user", "content": [{"type": []}]}]}, "input[0].content[0]", "only input_text"),  # fuzz: a 500
+    ("messages", {"messages": [{"role": "user", "content": [{"type": []}]}]}, "messages[0].content[0]", "only text and tool_result"),
     ("messages", {"tool_choice": {"type": "any"}}, "tool_choice", "never calls tools"),
     ("messages", {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      "messages[0].content[0]", "only text and tool_result"),
