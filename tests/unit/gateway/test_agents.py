@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,8 +25,7 @@ import jsonschema
 import openai
 import pytest
 
-from stack.common.health_probe import SERVING, probe
-from tests.unit.router_front.conftest import free_port
+from tests.unit.router_front.conftest import ServiceProcess, free_port
 
 KEY = "pd-agents-test-key-4c3b2a"
 MODEL = "your-model-id"
@@ -42,7 +38,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "count"], "additionalProperties": False}
 
 
-class EngineProcess:
+class EngineProcess(ServiceProcess):
     """`python -m stack.engine`, role both, on free loopback ports (gRPC health SERVING once it is up)."""
 
     def __init__(self, workdir: Path, checkpoint: str = "dummy:small") -> None:
@@ -51,29 +47,11 @@ class EngineProcess:
         self.health_addr = f"127.0.0.1:{self.health_port}"
         config = workdir / "engine.json"
         config.write_text(json.dumps({"model": MODEL, "role": "both", "checkpoint": checkpoint, "kv_transfer_config": {"kv_port": 0}}))
-        self.log_path = workdir / "engine.log"
-        self.log = self.log_path.open("w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "stack.engine", "--config", str(config), "--host", "127.0.0.1", "--port", str(self.port),
-             "--health-port", str(self.health_port)], stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120  # the bound only catches a hung or crashed engine
-        while probe(self.health_addr, timeout=0.5) != SERVING:
-            assert self.process.poll() is None, f"engine exited early: {self.log_path.read_text()[-2000:]}"
-            assert time.monotonic() < deadline, "engine not SERVING after 120 s"
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
+        super().__init__("engine", ["stack.engine", "--config", str(config), "--host", "127.0.0.1", "--port", str(self.port),
+                                    "--health-port", str(self.health_port)], workdir / "engine.log", self.health_addr, bound_s=120)
 
 
-class RouterProcess:
+class RouterProcess(ServiceProcess):
     """`python -m stack.router` over one engine (colocated), on free loopback ports."""
 
     def __init__(self, workdir: Path, engine: EngineProcess) -> None:
@@ -97,25 +75,8 @@ health_addrs = ["{engine.health_addr}"]
 [usage]
 db_path = "{workdir / 'usage.sqlite3'}"
 """)
-        self.log_path = workdir / "router.log"
-        self.log = self.log_path.open("w")
-        self.process = subprocess.Popen([sys.executable, "-m", "stack.router", "--config", str(settings)],
-                                        env={**os.environ, "TAOTOKEN_API_KEY": KEY}, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while probe(f"127.0.0.1:{self.health_port}", timeout=0.5) != SERVING:
-            assert self.process.poll() is None, f"router exited early: {self.log_path.read_text()[-2000:]}"
-            assert time.monotonic() < deadline, "router not SERVING after 60 s"
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.log.close()
+        super().__init__("router", ["stack.router", "--config", str(settings)], workdir / "router.log",
+                         f"127.0.0.1:{self.health_port}", env={**os.environ, "TAOTOKEN_API_KEY": KEY})
 
 
 @pytest.fixture(scope="module")

@@ -94,25 +94,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class RealEngine:
-    """A `python -m stack.engine` process, role both, dummy:tiny weights, on free loopback ports."""
+class ServiceProcess:
+    """A service (`python -m stack.engine` or `stack.router`) started with `args`, logging to `log_path`; the
+    constructor returns once its gRPC health at `health_addr` says SERVING (within `bound_s`: the bound only
+    catches a hung or crashed start)."""
 
-    def __init__(self, workdir: Path) -> None:
-        self.port, self.health_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.health_addr = f"127.0.0.1:{self.health_port}"
-        config = workdir / "engine.json"
-        config.write_text(json.dumps({"model": MODEL, "role": "both", "checkpoint": "dummy:tiny",
-                                      "kv_transfer_config": {"kv_port": 0}}))
-        self.log_path = workdir / "engine.log"
-        self.log = self.log_path.open("w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "stack.engine", "--config", str(config), "--host", "127.0.0.1",
-             "--port", str(self.port), "--health-port", str(self.health_port)], stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60  # start-up is ~1 s; the bound only catches a hung or crashed engine
-        while probe(self.health_addr, timeout=0.5) != SERVING:
-            assert self.process.poll() is None, f"engine exited early: {self.log_path.read_text()[-2000:]}"
-            assert time.monotonic() < deadline, "engine not SERVING after 60 s"
+    def __init__(self, name: str, args: list[str], log_path: Path, health_addr: str, *, env: dict[str, str] | None = None,
+                 bound_s: float = 60) -> None:
+        self.log_path = log_path
+        self.log = log_path.open("w")
+        self.process = subprocess.Popen([sys.executable, "-m", *args], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + bound_s
+        while probe(health_addr, timeout=0.5) != SERVING:
+            assert self.process.poll() is None, f"{name} exited early: {log_path.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, f"{name} not SERVING after {bound_s:g} s"
             time.sleep(0.1)
 
     def stop(self) -> None:
@@ -124,6 +119,20 @@ class RealEngine:
                 self.process.kill()
                 self.process.wait()
         self.log.close()
+
+
+class RealEngine(ServiceProcess):
+    """A `python -m stack.engine` process, role both, dummy:tiny weights, on free loopback ports."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port, self.health_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.health_addr = f"127.0.0.1:{self.health_port}"
+        config = workdir / "engine.json"
+        config.write_text(json.dumps({"model": MODEL, "role": "both", "checkpoint": "dummy:tiny",
+                                      "kv_transfer_config": {"kv_port": 0}}))
+        super().__init__("engine", ["stack.engine", "--config", str(config), "--host", "127.0.0.1", "--port", str(self.port),
+                                    "--health-port", str(self.health_port)], workdir / "engine.log", self.health_addr)
 
 
 @pytest.fixture(scope="module")
