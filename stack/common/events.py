@@ -313,6 +313,14 @@ LIMIT_QUOTA = Event("limit.quota_exhausted", ROUTER, "a key used up its token qu
                     required=(KEY_NAME, USED, QUOTA), level="WARNING")
 USAGE_FLUSH_FAILED = Event("usage.flush_failed", ROUTER, "usage could not be written (kept in memory, retried)",
                            required=(DB_PATH, REQUESTS, ERROR), level="ERROR")
+# -- several routers: limits shared through Redis (stack/router/limits_redis.py; fleet) ------------
+STORE_URL = Field("url", str, "redis://redis:6379/0", "the shared limit store (never carries a password)")
+STORE_OP = Field("op", str, "take", "what the router was doing: start | take | give_back | totals | in_flight | renew")
+LIMIT_STORE_CONNECTED = Event("limit_store.connected", ROUTER, "at start: per-key limits are shared through this Redis",
+                              required=(STORE_URL, LEASE_MS))
+LIMIT_STORE_UNAVAILABLE = Event("limit_store.unavailable", ROUTER,
+                                "Redis did not answer: generation requests get 503 limits_unavailable until it does",
+                                required=(STORE_URL, STORE_OP, ERROR), level="ERROR")
 ROUTER_REQUEST_RECEIVED = Event("router.request_received", ROUTER, "a generation request was parsed",
                                 required=(API, MODEL, STREAM))
 ROUTER_SCHEDULED = Event("router.scheduled", ROUTER, "a prefill/decode pair was picked for an attempt",

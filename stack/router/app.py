@@ -33,6 +33,7 @@ from stack.router.appkeys import CALLER, CONFIG, INTERNAL_KEY, KEYRING, LIMITER,
 from stack.router.auth import Caller, KeyRing
 from stack.router.config import RouterConfig, UsageConfig, load_keys_file
 from stack.router.limits import Limiter
+from stack.router.limits_redis import RedisCounters
 from stack.router.metrics import Metrics
 from stack.router.p2pnccl import Registry
 from stack.router.pd import PDClient
@@ -66,11 +67,11 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     limiter = request.app[LIMITER]
     started = time.perf_counter()
-    status, caller = 500, None
+    status, caller, slot = 500, None, ""
     try:
         request[CALLER] = keyring.authenticate(request.headers)
         await _read_body(request)  # a body that never arrives must not hold one of the key's slots
-        limiter.admit(request[CALLER])
+        slot = await limiter.admit(request[CALLER])
         caller = request[CALLER]
         response = await handler(request)
         status = response.status
@@ -86,7 +87,8 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         e2e = time.perf_counter() - started
         request.app[METRICS].observe_request(api, status, e2e)  # rejected requests count too
         if caller is not None:
-            _request_done(request, api, caller, status, e2e)
+            # Shielded: a client that leaves cancels the handler, and its slot must still be given back.
+            await asyncio.shield(_request_done(request, api, caller, slot, status, e2e))
 
 
 _THREAD_SCAN_BYTES = 256 * 1024  # bigger bodies are checked in a worker thread (~50 ms a MB)
@@ -120,10 +122,10 @@ async def _read_body(request: web.Request) -> None:
         safe_json.check_body(raw)
 
 
-def _request_done(request: web.Request, api: str, caller: Caller, status: int, e2e: float) -> None:
+async def _request_done(request: web.Request, api: str, caller: Caller, slot: str, status: int, e2e: float) -> None:
     """Free the key's slot, charge its tokens, and log the request's one summary line."""
     prompt, completion = request.get(TOKENS, (0, 0))
-    request.app[LIMITER].release(caller, prompt, completion)
+    await request.app[LIMITER].release(caller, slot, prompt, completion)
     failed = status >= 400 or STREAM_ERROR in request
     log_event(events.ROUTER_REQUEST_DONE, f"{api} request done: {status}", "WARNING" if failed else "INFO",
               api=api, key_name=caller.name, status=status, error=request.get(STREAM_ERROR),
@@ -144,14 +146,15 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def usage(request: web.Request) -> web.Response:
-    """GET /v1/usage: the calling key's totals and limits."""
+    """GET /v1/usage: the calling key's totals and limits (across every router sharing the limit store)."""
     caller = request[CALLER]
-    totals = request.app[USAGE].get(caller.name)
+    counters = request.app[LIMITER].counters
+    totals, in_flight = await counters.totals(caller.name), await counters.in_flight(caller.name)
     limits = caller.limits
     return web.json_response({
         "object": "usage", "key_name": caller.name, "requests": totals.requests, "prompt_tokens": totals.prompt_tokens,
         "completion_tokens": totals.completion_tokens, "total_tokens": totals.total_tokens,
-        "in_flight": request.app[LIMITER].in_flight(caller.name),
+        "in_flight": in_flight,
         "limits": {"rpm": limits.rpm, "tpm": limits.tpm, "max_concurrent": limits.max_concurrent, "token_quota": limits.token_quota},
         "quota_remaining": max(0, limits.token_quota - totals.total_tokens) if limits.token_quota else None,
     })
@@ -168,7 +171,7 @@ def create_app(config: RouterConfig, env: Mapping[str, str] | None = None) -> we
     app[KEYRING] = KeyRing.from_environment(config, load_keys_file(config), env)
     app[INTERNAL_KEY] = internal_auth.internal_key(env) or ""
     app[USAGE] = _open_usage(config)
-    app[LIMITER] = Limiter(app[USAGE])
+    app[LIMITER] = Limiter(app[USAGE], RedisCounters.from_env(config.limits_store) if config.limits_store.redis_url else None)
     app[METRICS] = Metrics()
     app[METRICS].add_key_gauges(app[KEYRING].callers, app[USAGE], app[LIMITER])
     if config.p2pnccl.registry_port:  # vLLM P2pNccl engines: the pools are whoever registers, not the configured endpoints
@@ -222,6 +225,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         pd = PDClient(config, session, app[METRICS])
         app[PD] = pd
         try:
+            await app[LIMITER].counters.start()
             await pd.start()
             if registry is not None:
                 registry.start(pd.monitor.join, pd.monitor.leave)
@@ -232,6 +236,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             if registry is not None:
                 await registry.close()
             await pd.close()
+            await app[LIMITER].counters.close()
             app[USAGE].close()  # writes what is still queued
 
 

@@ -8,10 +8,12 @@
     [auth]      keys_file: optional TOML/JSON naming more keys (by env var) with their own limits
     [limits]    rpm, tpm, max_concurrent, token_quota: per-key defaults, 0 = unlimited
     [usage]     db_path: the SQLite file holding per-key usage across restarts
+    [limits_store] redis_url, lease_ms, …: limits shared by several routers through Redis (LimitsStoreConfig)
     [p2pnccl]   registry_port, instance_ttl_ms: vLLM P2pNccl engines register themselves (P2pNcclConfig)
 
 `PREFILL_ENDPOINT` and `DECODE_ENDPOINT` in the environment override the file (the article's
-.env); so do `BACKEND_HEALTH_CHECK`, `BACKEND_CAPABILITIES`, `KV_CONNECTOR` and `P2PNCCL_REGISTRY_PORT` (the GPU overlays).
+.env); so do `BACKEND_HEALTH_CHECK`, `BACKEND_CAPABILITIES`, `KV_CONNECTOR` and `P2PNCCL_REGISTRY_PORT` (the GPU overlays),
+and `LIMITS_REDIS_URL` (several routers).
 `KV_TRANSFER_PORT` sets nothing here: decode reports its KV port on GET /health, and the router
 only checks the variable against that (discovery.py). Keys never live in these files: a value
 that looks like a secret stops start-up with a message naming the env var to use instead.
@@ -26,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from stack.common.config import ConfigError, build, check, read_file
 from stack.router.backends import PoolConfig, check_topology
@@ -105,6 +108,32 @@ class UsageConfig:
 
 
 @dataclass(frozen=True)
+class LimitsStoreConfig:
+    """Where per-key limits are counted: this process (default) or a Redis shared by several routers (limits_redis.py)."""
+
+    # "" = in this process (one router); "redis://redis:6379/0" = every router using that Redis shares the key's
+    # rpm, tpm, concurrency and quota. LIMITS_REDIS_URL overrides. No password in the URL: use password_env.
+    redis_url: str = ""
+    password_env: str = ""  # the env var holding Redis's password (AUTH), if it has one
+    key_prefix: str = "pd:limits:"  # Redis key prefix (routers of one deployment share it)
+    # A request in flight holds a slot leased for this long and renewed every lease/3 by its router: a router that dies
+    # leaves slots that free themselves within lease_ms.
+    lease_ms: int = 30_000
+    timeout_ms: int = 1000  # each Redis call; past it the request gets a 503 limits_unavailable (fail closed)
+
+    def __post_init__(self) -> None:
+        if self.redis_url:
+            parts = urlsplit(self.redis_url)
+            check(parts.scheme in ("redis", "rediss", "unix"), "redis_url",
+                  f"must be a redis://host:port/db (or rediss://, unix://) URL, got {parts.scheme or self.redis_url!r}")
+            check(parts.password is None, "redis_url", "must not carry a password: put it in an env var named by password_env")
+        check(self.password_env == "" or re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.password_env) is not None, "password_env",
+              f"must be the NAME of an environment variable, got {self.password_env!r}")
+        check(self.lease_ms >= 3000, "lease_ms", f"must be at least 3000, got {self.lease_ms}")
+        check(100 <= self.timeout_ms <= 10_000, "timeout_ms", f"must be 100..10000, got {self.timeout_ms}")
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     taotoken: TaotokenConfig = field(default_factory=TaotokenConfig)
@@ -114,6 +143,7 @@ class RouterConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     limits: KeyLimits = field(default_factory=KeyLimits)
     usage: UsageConfig = field(default_factory=UsageConfig)
+    limits_store: LimitsStoreConfig = field(default_factory=LimitsStoreConfig)
     p2pnccl: P2pNcclConfig = field(default_factory=P2pNcclConfig)
     source: str = "<defaults>"  # the file this came from (set by load(); not a settings key)
     kv_transfer_port: int = 0  # KV_TRANSFER_PORT, checked against the port decode reports (set by load(); 0 = not given)
@@ -205,6 +235,11 @@ def _with_env_overrides(data: dict[str, Any], env: Mapping[str, str], file: str)
             section = data.setdefault(table, {})
             if isinstance(section, dict):
                 section["capabilities"] = value
+    redis_url = env.get("LIMITS_REDIS_URL", "").strip()
+    if redis_url:  # several routers: the deployment names their shared Redis
+        section = data.setdefault("limits_store", {})
+        if isinstance(section, dict):
+            section["redis_url"] = redis_url
     registry_text = env.get("P2PNCCL_REGISTRY_PORT", "").strip()
     if registry_text:
         if not registry_text.isdigit() or not 0 <= int(registry_text) < 65536:

@@ -9,7 +9,7 @@ import pytest
 from stack.common.errors import QuotaExhausted, RateLimited
 from stack.router.auth import Caller
 from stack.router.config import KeyLimits
-from stack.router.limits import Limiter
+from stack.router.limits import Limiter, MemoryCounters
 from stack.router.usage import UsageStore
 from tests.unit.router_front.conftest import MODEL, auth, chat_body, log_events
 
@@ -89,27 +89,28 @@ async def test_quota_exhausted_is_insufficient_quota_not_retryable(make_router, 
     assert anthropic.status == 429 and body["error"]["type"] == "rate_limit_error" and "quota" in body["error"]["message"]
 
 
-def test_rpm_window_slides_and_retry_after_counts_down(tmp_path) -> None:
+async def test_rpm_window_slides_and_retry_after_counts_down(tmp_path) -> None:
     """The rpm window is a sliding minute: Retry-After is when the oldest request leaves it, and then one is admitted."""
     now = [1000.0]
-    limiter = Limiter(UsageStore(tmp_path / "u.sqlite3"), clock=lambda: now[0])
+    usage = UsageStore(tmp_path / "u.sqlite3")
+    limiter = Limiter(usage, MemoryCounters(usage, clock=lambda: now[0]))
     caller = Caller("k", KeyLimits(rpm=2))
-    limiter.admit(caller)
+    await limiter.admit(caller)
     now[0] += 10
-    limiter.admit(caller)
+    await limiter.admit(caller)
     now[0] += 20  # 30 s after the first request
     with pytest.raises(RateLimited) as caught:
-        limiter.admit(caller)
+        await limiter.admit(caller)
     assert caught.value.headers["Retry-After"] == "30"
     now[0] += 30  # the first request leaves the window
-    limiter.admit(caller)
+    await limiter.admit(caller)
 
 
-def test_quota_counts_usage_from_the_store(tmp_path) -> None:
+async def test_quota_counts_usage_from_the_store(tmp_path) -> None:
     """The quota is checked against the persistent totals, prompt plus completion tokens."""
     store = UsageStore(tmp_path / "u.sqlite3")
     store.add("k", 6, 3)
     limiter = Limiter(store)
-    limiter.admit(Caller("k", KeyLimits(token_quota=10)))
+    await limiter.admit(Caller("k", KeyLimits(token_quota=10)))
     with pytest.raises(QuotaExhausted):
-        limiter.admit(Caller("k", KeyLimits(token_quota=9)))
+        await limiter.admit(Caller("k", KeyLimits(token_quota=9)))
