@@ -7,6 +7,8 @@ check:    live probes of the running stack (docker, compose, containers, key, ro
           engine health, KV port, one streamed request).
 verify:   send one streamed request through the router and prove from the logs that it went
           prefill → KV → decode.
+advise:   watch the router's /metrics under load and recommend more prefill, more decode or balanced,
+          with the numbers behind it (doctor/advise.py).
 """
 
 from __future__ import annotations
@@ -75,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
                             help="send one streamed request and prove it went prefill → KV → decode")
     verify.add_argument("--timeout", type=float, default=60.0, help="seconds for the request")
     verify.add_argument("--model", default=None, help="model name to request (default: the router's first model)")
+    advise = sub.add_parser("advise", parents=[common], epilog=EPILOG,
+                            help="more prefill, more decode or balanced, from the router's metrics under the current load")
+    advise.add_argument("--window", type=float, default=30.0, help="seconds to watch the router's /metrics (default 30)")
+    advise.add_argument("--interval", type=float, default=2.0, help="seconds between scrapes (default 2)")
+    advise.add_argument("--ttft-slo-ms", type=float, help="TTFT target (default: the router's PD_SLO_TTFT_MS)")
+    advise.add_argument("--tpot-slo-ms", type=float, help="TPOT target (default: the router's PD_SLO_TPOT_MS)")
     return parser
 
 
@@ -136,6 +144,8 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
         return 0
     if args.command == "explain":
         return _explain(args, stdin, out)
+    if args.command == "advise":
+        return _advise(args, out)
     try:
         if args.command == "diagnose":
             findings, summary = diagnose(args, stdin)
@@ -181,6 +191,27 @@ def _explain(args: argparse.Namespace, stdin: TextIO | None, out: TextIO) -> int
     else:
         out.write(explain.text(timeline) + (f"picture: {picture}\n" if picture else ""))
     return 0 if timeline.complete else 1
+
+
+def _advise(args: argparse.Namespace, out: TextIO) -> int:
+    from doctor import advise, live
+
+    ttft, tpot = (value / 1000 if value else None for value in (args.ttft_slo_ms, args.tpot_slo_ms))
+    url = live.router_url(None, args.router_url)
+    try:
+        if args.window <= 0 or args.interval <= 0:
+            raise DoctorError(f"--window and --interval must be > 0 s, got {args.window:g} and {args.interval:g}")
+        seen = advise.window(live.scrape_metrics(url, args.window, args.interval))
+    except DoctorError as exc:
+        render.render_failure(str(exc), args.json, out)
+        return 2
+    found = advise.findings(advise.advise(seen, ttft, tpot), seen, ttft, tpot)
+    summary = {"router_url": url, "window_s": round(seen.seconds, 1), "requests": seen.requests}
+    if args.json:
+        out.write(render.render_json(found, summary, "advise"))
+    else:
+        out.write(advise.text(found[0]))
+    return 0
 
 
 def run() -> None:

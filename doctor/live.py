@@ -374,3 +374,20 @@ def _verify_vllm(stack: Stack, env, sent_at: datetime, rid: str, what: str, time
                     "(a 200 proves nothing about KV).",
                     "docker compose logs decode | grep -E 'KV Transfer metrics|KVConnector|NIXL'; start vLLM with "
                     "--kv-transfer-config on both engines")] + failures
+
+
+def scrape_metrics(url: str, seconds: float, interval: float) -> list:
+    """The router's /metrics every `interval` s for `seconds` (at least two scrapes), parsed for doctor.advise."""
+    from doctor.advise import Scrape
+
+    scrapes = []
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with _NO_PROXY.open(f"{url}/metrics", timeout=10) as response:
+                scrapes.append(Scrape.parse(response.read().decode(), time.monotonic()))
+        except (OSError, ValueError) as exc:
+            raise DoctorError(f"cannot read {url}/metrics: {exc} (is the router up? --router-url)") from None
+        if len(scrapes) >= 2 and time.monotonic() >= deadline:
+            return scrapes
+        time.sleep(max(0.0, min(interval, deadline - time.monotonic())))
