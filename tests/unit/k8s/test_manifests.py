@@ -122,6 +122,8 @@ def test_ports_are_the_ones_the_configs_set(tmp_path: Path) -> None:
     decode_config, _ = load_config(decode_json, env={})
     kv = decode_config.kv_transfer_config.kv_port
     assert named_ports(pods["decode"])["kv"] == kv
+    decode_env = {e["name"]: e for e in containers(pods["decode"])[0]["env"]}
+    assert decode_env["KV_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"  # a KV address prefill can reach
     assert {p["name"]: p["port"] for p in services["decode-headless"]["spec"]["ports"]}["kv"] == kv
     kv_rule = by_kind(objects, "NetworkPolicy")["decode-ingress"]["spec"]["ingress"][1]
     assert [p["port"] for p in kv_rule["ports"]] == [kv]
@@ -136,8 +138,9 @@ def test_ports_are_the_ones_the_configs_set(tmp_path: Path) -> None:
     for role in ("prefill", "decode"):
         host, port = re.fullmatch(r"dns://([a-z0-9-]+):(\d+)", settings[role]["discover"]).groups()
         assert host == f"{role}-headless" and int(port) == named_ports(pods[role])["http"]
-    # `discover` is the router's DNS discovery (issue 14 part 1, branch wt-scale); until it is merged here the loader
-    # knows only static endpoints, so the check loads the same file with each pool's discovered name as its endpoint.
+    # `discover` is the router's DNS discovery (issue 14 part 1, branch wt-scale: `dns://NAME:PORT`, exclusive with
+    # `endpoint`); until it is merged here the loader knows only static endpoints, so the check loads the same file with
+    # each pool's discovered name as its endpoint. (Merging wt-scale: load `settings_text` itself and drop `static`.)
     static = re.sub(r'discover = "dns://([a-z0-9-]+:\d+)"', r'endpoint = "http://\1"', settings_text)
     path = tmp_path / "settings.toml"
     path.write_text(static)
