@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from tests.unit.router_front.conftest import MODEL, ServiceProcess, free_port
+from tests.unit.router_pd.conftest import router_settings
 
 LEASE_MS = 3000  # the shortest lease the config accepts: a killed router's slots come back within it
 # Each test's own key: name → (env var, value, limits line of the keys file).
@@ -88,29 +89,16 @@ class RouterProcess(ServiceProcess):
         self.url = f"http://127.0.0.1:{self.port}"
         keys = "".join(f'[[keys]]\nname = "{name}"\nenv = "{env}"\n{limits}\n' for name, (env, _, limits) in KEYS.items())
         (workdir / "keys.toml").write_text(keys)
-        settings = workdir / "settings.toml"
-        settings.write_text(f"""
-[server]
-host = "127.0.0.1"
-port = {self.port}
-health_port = {self.health_port}
-[taotoken]
-model_id = "{MODEL}"
-[prefill]
-endpoint = "{engine.url}"
-health_addrs = ["{engine.health_addr}"]
-[decode]
-endpoint = "{engine.url}"
-health_addrs = ["{engine.health_addr}"]
+        settings = router_settings(workdir, "settings", engine, engine, MODEL,
+                                   server=f"port = {self.port}\nhealth_port = {self.health_port}")
+        settings.write_text(settings.read_text() + f"""
 [auth]
 keys_file = "keys.toml"
-[usage]
-db_path = "{workdir / 'usage.sqlite3'}"
 [limits_store]
 lease_ms = {LEASE_MS}
 timeout_ms = 500
 """)
-        env = {**os.environ, "TAOTOKEN_API_KEY": "fleet-default-key-0a0a", "LIMITS_REDIS_URL": redis_url,
+        env = {**os.environ, "PD_TEST_KEY": "fleet-default-key-0a0a", "LIMITS_REDIS_URL": redis_url,
                **{env: value for env, value, _ in KEYS.values()}}
         super().__init__("router", ["stack.router", "--config", str(settings)], workdir / "router.log",
                          f"127.0.0.1:{self.health_port}", env=env)

@@ -7,6 +7,8 @@ import asyncio
 
 import pytest
 
+from stack.common.config import ConfigError
+from stack.router import config as router_config
 from stack.router.config import KeyLimits, LimitsStoreConfig
 from stack.router.limits_redis import RedisCounters
 from tests.unit.router_fleet.conftest import RedisServer
@@ -58,3 +60,18 @@ async def test_a_charge_redis_missed_is_sent_when_it_is_back(store: RedisServer)
     totals = await counters.totals("k")
     assert (totals.requests, totals.prompt_tokens, totals.completion_tokens) == (1, 7, 3)
     await counters.close()
+
+
+@pytest.mark.parametrize(("line", "problem"), [
+    ('redis_url = "redis://:hunter2@redis:6379/0"', "must not carry a password"),
+    ('redis_url = "http://redis:6379"', "must be a redis://"),
+    ("lease_ms = 500", "at least 3000"),
+])
+def test_bad_limits_store_settings_name_file_key_and_problem(tmp_path, line: str, problem: str) -> None:
+    """A wrong [limits_store] value stops start-up with one line naming settings.toml, the key and what is wrong."""
+    path = tmp_path / "settings.toml"
+    path.write_text(f'[prefill]\nendpoint = "http://p:8000"\n[decode]\nendpoint = "http://d:8000"\n[limits_store]\n{line}\n')
+    with pytest.raises(ConfigError, match=problem) as caught:
+        router_config.load(path, env={})
+    assert caught.value.file == str(path) and caught.value.key.startswith("limits_store.")
+    assert "hunter2" not in str(caught.value)  # the password is not repeated
