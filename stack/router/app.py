@@ -136,7 +136,8 @@ async def health(request: web.Request) -> web.Response:
     """GET /health: the router is up; each backend's state as the router sees it."""
     registry = request.app.get(REGISTRY)
     extra = {"p2pnccl_instances": registry.snapshot()} if registry is not None else {}
-    return web.json_response({"status": "ok", **request.app[PD].health_snapshot(), **extra})
+    store = request.app[CONFIG].limits_store.redis_url or "memory"  # where per-key limits are counted (no password: config forbids it)
+    return web.json_response({"status": "ok", **request.app[PD].health_snapshot(), "limits_store": store, **extra})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -48,7 +48,10 @@ async def test_rpm_holds_across_both_routers(fleet: Fleet) -> None:
             assert (status, body["error"]["code"]) == (429, "rpm_limit_exceeded")
             assert 1 <= int(headers["Retry-After"]) <= 60
         totals = await usage(http, a, "rpm4")
+        async with http.get(f"{b.url}/health") as response:
+            health = await response.json()
     assert totals["requests"] == 4  # the shared totals: two requests went through each router
+    assert health["limits_store"] == fleet.redis.url  # GET /health says where the limits are counted
 
 
 async def test_concurrency_holds_across_both_routers(fleet: Fleet) -> None:
