@@ -47,6 +47,7 @@ class PrefillLeg:
 
     output: Output  # finish_reason error | abort: the step failed or the engine stops; nothing was pushed
     kv_transfer_params: dict[str, Any] | None
+    cached_tokens: int = 0  # prompt tokens this prefill took from its prefix cache
 
 
 class KVHandoff:
@@ -103,7 +104,7 @@ class KVHandoff:
         finally:
             prefilled.release()  # pushed or not, the pool gets the cache back
         host, port = split_addr(params.decode_kv_addr)
-        return PrefillLeg(prefilled.output, {
+        return PrefillLeg(prefilled.output, cached_tokens=prefilled.kv.cached_tokens, kv_transfer_params={
             "do_remote_decode": False,
             "do_remote_prefill": True,
             "transfer_id": params.transfer_id,
@@ -132,6 +133,7 @@ class KVHandoff:
             checksums=tuple(kv_wire.checksum(p) for p in payload),
             first_logprob=None if kv.first_logprob is None else (kv.first_logprob.token, kv.first_logprob.logprob,
                                                                  [list(t) for t in kv.first_logprob.top]),
+            cached_tokens=kv.cached_tokens,
         )
         try:
             result = await self.producer.push(header, payload, params.decode_kv_addr)
@@ -155,7 +157,7 @@ class KVHandoff:
         try:
             lp = header.first_logprob
             first_logprob = None if lp is None else TokenLogprob(int(lp[0]), float(lp[1]), tuple((int(i), float(x)) for i, x in lp[2]))
-            kv = PromptKV(received.k, received.v, header.first_token, header.seed, first_logprob)
+            kv = PromptKV(received.k, received.v, header.first_token, header.seed, first_logprob, cached_tokens=header.cached_tokens)
             seq = self.scheduler.submit(request_id, prompt, req.sampling, kv)
         except BaseException:  # CacheCapacityError: the scheduler never took the arrays
             received.release()

@@ -60,6 +60,7 @@ class KVHeader:
     checksums: tuple[str, ...] = field(default_factory=tuple)  # per segment: K0, V0, K1, V1, …
     version: int = VERSION
     first_logprob: tuple[Any, ...] | None = None  # [token, logprob, [[id, logprob], …]] when the request asked for logprobs
+    cached_tokens: int = 0  # prompt tokens prefill took from its prefix cache (decode reports them in usage)
 
     @property
     def layer_shape(self) -> tuple[int, int, int]:

@@ -17,6 +17,10 @@ responsive. All state changes happen on the event loop between steps, so a cance
 cache the forward is writing. One algorithm serves every role: a prefill engine mostly sees
 prefills, a decode engine mostly decodes, a colocated one mixes them (the interference PD removes);
 with `chunked_prefill` a long prompt is cut to what the step budget leaves beside the decodes.
+
+Prefix caching (prefix_cache.py): at admission the leading cached blocks of the prompt are copied
+into the new cache and only the rest is computed; a prompt's full blocks are stored when its
+prefill is done, and the whole sequence's (prompt and output) when it finishes.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from stack.engine.grammar import Constraint
 from stack.engine.kv_cache import KVCache, KVPool
 from stack.engine.metrics import EngineMetrics
 from stack.engine.model import Model, Segment, forward
+from stack.engine.prefix_cache import Block, PrefixCache
 from stack.engine.protocol import SamplingParams
 from stack.engine.sampling import adjust, logprobs, sample
 from stack.engine.tokenizer import IncrementalDecoder
@@ -72,6 +77,8 @@ class PromptKV:
     first_token: int  # sampled from the last prompt position (generation step 0)
     seed: int  # the sampling seed of that token; the continuation keeps drawing from the same stream
     first_logprob: TokenLogprob | None = None  # that token's logprobs, when the request asked for them
+    prefix: tuple[Block, ...] = ()  # pinned cached blocks holding the first positions; k, v hold the rest
+    cached_tokens: int = 0  # prompt tokens the computing engine took from its prefix cache (usage)
 
 
 @dataclass(eq=False)
@@ -87,6 +94,8 @@ class Sequence:
     keeps_cache: bool = False  # `prefill`: a finished sequence's cache stays reserved until `Prefilled.release`
     cache: KVCache | None = None
     num_computed: int = 0  # prompt tokens whose K/V are in the cache
+    block_hashes: list[str] = field(default_factory=list)  # hash chain of the prompt's full blocks (prefix cache)
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache (usage.prompt_tokens_details.cached_tokens)
     output: list[int] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of `text` already emitted
@@ -137,10 +146,11 @@ class Scheduler:
     """Owns the KV pool and the step loop; `submit` or `prefill` sequences, read `seq.outputs`, `cancel` them."""
 
     def __init__(self, model: Model, pool: KVPool, *, max_num_batched_tokens: int, max_num_seqs: int, chunked_prefill: bool,
-                 metrics: EngineMetrics | None = None) -> None:
+                 metrics: EngineMetrics | None = None, prefix: PrefixCache | None = None) -> None:
         self.metrics = metrics or EngineMetrics()
         self.model = model
         self.pool = pool
+        self.prefix = prefix or PrefixCache(pool, model.fingerprint, enabled=False)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.chunked_prefill = chunked_prefill
@@ -205,7 +215,8 @@ class Scheduler:
             return Prefilled(out, None, release)
         n = len(prompt)
         first_logprob = out.logprobs[0] if out.logprobs else None
-        return Prefilled(out, PromptKV(cache.k[:, :n], cache.v[:, :n], seq.output[0], seq.seed, first_logprob), release)
+        return Prefilled(out, PromptKV(cache.k[:, :n], cache.v[:, :n], seq.output[0], seq.seed, first_logprob,
+                                       cached_tokens=seq.cached_tokens), release)
 
     def cancel(self, seq: Sequence) -> None:
         """The client went away: stop the sequence and free its KV before the next step."""
@@ -218,8 +229,9 @@ class Scheduler:
         return {
             "waiting": len(self.waiting),
             "running": len(self.running),
-            "kv_free_blocks": self.pool.free_blocks,
+            "kv_free_blocks": self.pool.reclaimable_blocks,  # unpinned cached blocks count as free
             "kv_total_blocks": self.pool.total_blocks,
+            "kv_cached_blocks": len(self.prefix.blocks),
         }
 
     def _queue(self, request_id: str, prompt: list[int], params: SamplingParams, kv: PromptKV | None, *, keeps_cache: bool,
@@ -234,6 +246,7 @@ class Scheduler:
             kv_read.set_result(None)
         seq = Sequence(request_id, list(prompt), params, seed, kv_read, start_kv=kv, keeps_cache=keeps_cache, choice=choice)
         seq.detok = IncrementalDecoder(self.model.tokenizer, context=prompt)
+        seq.block_hashes = self.prefix.hashes(prompt)
         vocab = self.model.config.vocab_size
         if params.grammar is not None:
             seq.constraint = Constraint(params.grammar, self.model.tokenizer, vocab)
@@ -289,17 +302,25 @@ class Scheduler:
         prefills = sum(1 for w in work if w.seq.prefilling)
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            chunk = 0
+            chunk, hit = 0, []
             if seq.start_kv is None:
+                hit = self.prefix.match_prompt(seq.block_hashes, len(seq.prompt))
+                seq.num_computed = len(hit) * self.pool.block_size  # what _chunk sees; undone if it waits
                 chunk = self._chunk(seq, budget, first=prefills == 0)
                 if chunk == 0:
+                    seq.num_computed = 0
                     break
-            cache = self.pool.allocate(len(seq.prompt) + seq.params.max_tokens)
+            cache = self.prefix.allocate(len(seq.prompt) + seq.params.max_tokens, hit)
             if cache is None:
+                seq.num_computed = 0
                 self._log_queued(seq)
                 break
             self.waiting.pop(0)
             seq.cache = cache
+            if seq.start_kv is None:
+                cache.set_length(self.prefix.load(hit, cache))
+                seq.cached_tokens = cache.length
+                self.prefix.record(len(seq.prompt), cache.length)
             self.running.append(seq)
             if seq.start_kv is not None:
                 self._load_start_kv(seq)
@@ -364,6 +385,7 @@ class Scheduler:
             if seq.prefilling:
                 seq.num_computed += len(item.segment.tokens)
                 if not seq.prefilling:
+                    self.prefix.store(seq.prompt, item.segment.cache, seq.block_hashes)  # same-prefix requests hit from now on
                     self.metrics.on_prefill_done(seq, time.perf_counter())
                     self._log_prefill_done(seq)
             if token is not None and not seq.cancelled:
@@ -375,10 +397,11 @@ class Scheduler:
         """Copy the given prompt KV into the pool cache and emit its first token."""
         kv, cache = seq.start_kv, seq.cache
         assert kv is not None and cache is not None, f"sequence {seq.request_id} has no KV to load or no cache"
-        n = len(seq.prompt)
-        cache.k[:, :n] = kv.k  # (n_layers, n, n_kv_heads, head_dim)
-        cache.v[:, :n] = kv.v
+        n, reused = len(seq.prompt), self.prefix.load(kv.prefix, cache)  # blocks this engine held, then the shipped rest
+        cache.k[:, reused:n] = kv.k  # (n_layers, n - reused, n_kv_heads, head_dim)
+        cache.v[:, reused:n] = kv.v
         cache.set_length(n)
+        seq.cached_tokens = kv.cached_tokens
         self._drop_start_kv(seq)
         seq.num_computed = n
         self._append_token(seq, kv.first_token, kv.first_logprob)
@@ -444,6 +467,8 @@ class Scheduler:
         self._remove(seq)
         if seq.cache is not None and not (seq.keeps_cache and reason in ("stop", "length")):
             self.pool.free(seq.cache)  # a finished `prefill` keeps it until Prefilled.release
+            if reason in ("stop", "length"):  # the next turn of a conversation starts with these tokens
+                self.prefix.store(seq.prompt + seq.output, seq.cache, seq.block_hashes)
             seq.cache = None
         self._drop_start_kv(seq)
         self.metrics.on_finish(seq, reason, time.perf_counter())

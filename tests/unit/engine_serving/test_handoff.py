@@ -22,7 +22,7 @@ from .conftest import EngineHandle, chat, prefill_leg, wait_until
 def assert_all_free(*engines: EngineHandle) -> None:
     for engine in engines:
         pool = engine.engine.scheduler.pool
-        assert pool.free_blocks == pool.total_blocks, f"{engine.engine.config.role} pool"
+        assert pool.reclaimable_blocks == pool.total_blocks, f"{engine.engine.config.role} pool"
         consumer = engine.engine.handoff.consumer
         if consumer is not None:
             assert consumer.buffer_used == 0 and consumer.held_transfers == 0, "receive buffer"

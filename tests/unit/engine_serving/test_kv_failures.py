@@ -36,7 +36,7 @@ async def test_fingerprint_mismatch_is_rejected_on_both_sides(engine_client, tin
     producer_line = logs.one("kv_producer.rejected")
     assert producer_line["reason"] == "fingerprint_mismatch" and producer_line["transfer_id"] == "t-fp"
     assert decode.engine.handoff.consumer.buffer_used == 0
-    assert prefill.engine.scheduler.pool.free_blocks == prefill.engine.scheduler.pool.total_blocks
+    assert prefill.engine.scheduler.pool.reclaimable_blocks == prefill.engine.scheduler.pool.total_blocks
 
 
 async def test_transfer_larger_than_kv_buffer_size_names_both_numbers(engine_client, logs: Logs) -> None:
@@ -134,7 +134,7 @@ async def test_unreachable_decode_is_a_connect_failure_naming_the_address(engine
     assert dead in body["error"]["message"] and "refused" in body["error"]["message"].lower()
     line = logs.one("kv_producer.connect_failed")
     assert line["decode_kv_addr"] == dead and "Refused" in line["error"]
-    assert prefill.engine.scheduler.pool.free_blocks == prefill.engine.scheduler.pool.total_blocks
+    assert prefill.engine.scheduler.pool.reclaimable_blocks == prefill.engine.scheduler.pool.total_blocks
 
 
 async def test_unclaimed_kv_is_freed_when_its_lease_expires(engine_client, logs: Logs) -> None:

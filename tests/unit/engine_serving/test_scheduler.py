@@ -140,7 +140,7 @@ async def test_decoding_from_plain_kv_arrays_matches_a_colocated_run(running, pa
     assert got == expected and seq.output[0] == kv.first_token
     assert seq.kv_read.done()
     for s in (prefill, decode):
-        assert s.pool.free_blocks == s.pool.total_blocks
+        assert s.pool.reclaimable_blocks == s.pool.total_blocks
     assert decode.steps == expected[2] - 1  # decode never ran the prompt: one step per token after the first
 
 
@@ -150,10 +150,10 @@ async def test_prefill_keeps_its_cache_until_released(running) -> None:
     prefilled = await s.prefill("p", PROMPT, SamplingParams(max_tokens=50, temperature=0))
     assert prefilled.kv is not None and prefilled.kv.k.shape[1] == len(PROMPT)
     assert prefilled.output.finish_reason == "length" and prefilled.output.num_tokens == 1  # max_tokens is taken as 1
-    assert s.pool.free_blocks == s.pool.total_blocks - s.pool.blocks_for(len(PROMPT) + 1)
+    assert s.pool.reclaimable_blocks == s.pool.total_blocks - s.pool.blocks_for(len(PROMPT) + 1)
     prefilled.release()
     prefilled.release()  # idempotent
-    assert s.pool.free_blocks == s.pool.total_blocks
+    assert s.pool.reclaimable_blocks == s.pool.total_blocks
 
 
 @pytest.mark.parametrize("when", ["while-its-step-runs", "just-after-its-token"])
@@ -179,7 +179,7 @@ async def test_cancelling_a_prefill_frees_its_cache(running, monkeypatch, when: 
     with pytest.raises(asyncio.CancelledError):
         await task
 
-    await wait_until(lambda: s.pool.free_blocks == s.pool.total_blocks and not s.running and not s.waiting)
+    await wait_until(lambda: s.pool.reclaimable_blocks == s.pool.total_blocks and not s.running and not s.waiting)
 
 
 async def test_given_kv_is_read_until_admission_or_cancel(running) -> None:
