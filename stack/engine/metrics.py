@@ -134,7 +134,8 @@ class EngineMetrics:
         self.kv_bytes.inc(nbytes, side="send")
         self.kv_seconds.observe(seconds, side="send")
 
-    def on_kv_received(self, nbytes: int, seconds: float) -> None:
+    def on_kv_received(self, nbytes: int, seconds: float, reused_blocks: int = 0) -> None:
+        self.kv_reused.inc(reused_blocks)
         self.kv_bytes.inc(nbytes, side="receive")
         self.kv_seconds.observe(seconds, side="receive")
 

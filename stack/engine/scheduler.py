@@ -96,6 +96,7 @@ class Sequence:
     num_computed: int = 0  # prompt tokens whose K/V are in the cache
     block_hashes: list[str] = field(default_factory=list)  # hash chain of the prompt's full blocks (prefix cache)
     cached_tokens: int = 0  # prompt tokens served from a prefix cache (usage.prompt_tokens_details.cached_tokens)
+    on_layer: Callable[[int, KVCache], None] | None = None  # `prefill`: layer i of the whole prompt is in the cache
     output: list[int] = field(default_factory=list)
     text: str = ""
     sent: int = 0  # characters of `text` already emitted
@@ -191,17 +192,20 @@ class Scheduler:
         """
         if kv is not None:
             cfg = self.model.config
-            shape = (cfg.n_layers, len(prompt), cfg.n_kv_heads, cfg.head_dim)
+            shape = (cfg.n_layers, len(prompt) - len(kv.prefix) * self.pool.block_size, cfg.n_kv_heads, cfg.head_dim)
             assert kv.k.shape == kv.v.shape == shape, f"prompt KV of shape {kv.k.shape}, {kv.v.shape}; expected {shape}"
         return self._queue(request_id, prompt, params, kv, keeps_cache=False, choice=choice)
 
-    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams) -> Prefilled:
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      on_layer: Callable[[int, KVCache], None] | None = None) -> Prefilled:
         """Run `prompt` to its first token (sampled as `submit` would) and lend out its KV.
 
         `params.max_tokens` is taken as 1. The cache stays reserved until `release()`; cancelling
-        the wait cancels the sequence and frees it.
+        the wait cancels the sequence and frees it. `on_layer(i, cache)` is called from the step
+        thread as soon as layer i of the whole prompt is in `cache` (its last chunk's forward).
         """
         seq = self._queue(request_id, prompt, replace(params, max_tokens=1), None, keeps_cache=True)
+        seq.on_layer = on_layer
         release = partial(self._release_kept, seq)
         try:
             out = await seq.outputs.get()  # one token: its output is the last one
@@ -357,7 +361,9 @@ class Scheduler:
 
     def _execute(self, work: list[_Work]) -> list[tuple[int, TokenLogprob | None] | None]:
         """Worker thread: one forward over the whole batch, then sample where a token is due."""
-        logits = forward(self.model, [w.segment for w in work])  # (len(work), vocab)
+        hooks = [(w.seq.on_layer, w.segment.cache) for w in work if w.samples and w.seq.on_layer is not None and w.seq.prefilling]
+        on_layer = (lambda layer: [hook(layer, cache) for hook, cache in hooks]) if hooks else None
+        logits = forward(self.model, [w.segment for w in work], on_layer=on_layer)  # (len(work), vocab)
         return [self._sample(w.seq, row) if w.samples else None for w, row in zip(work, logits)]
 
     def _sample(self, seq: Sequence, row: np.ndarray) -> tuple[int, TokenLogprob | None]:
@@ -402,6 +408,7 @@ class Scheduler:
         cache.v[:, reused:n] = kv.v
         cache.set_length(n)
         seq.cached_tokens = kv.cached_tokens
+        self.prefix.store(seq.prompt, cache, seq.block_hashes)  # later turns of this session reuse it (and skip its transfer)
         self._drop_start_kv(seq)
         seq.num_computed = n
         self._append_token(seq, kv.first_token, kv.first_logprob)
