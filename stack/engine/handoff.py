@@ -24,7 +24,6 @@ from typing import Any, Literal
 
 from stack.common import events
 from stack.common.logging import log_event
-from stack.engine import kv_wire
 from stack.engine.config import EngineConfig
 from stack.engine.errors import KVTransferError
 from stack.engine.kv_consumer import KVConsumer, ReceivedKV
@@ -33,7 +32,8 @@ from stack.engine.kv_wire import KVHeader, KVTrailer
 from stack.engine.metrics import EngineMetrics
 from stack.engine.model import Model
 from stack.engine.protocol import CompletionRequest, KVTransferParams
-from stack.engine.scheduler import Output, PromptKV, Scheduler, Sequence, TokenLogprob
+from stack.engine.scheduler import Scheduler
+from stack.engine.sequence import Output, PromptKV, Sequence, TokenLogprob
 
 
 def pd_leg(req: CompletionRequest) -> Literal["prefill", "decode"] | None:

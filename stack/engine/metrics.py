@@ -36,7 +36,8 @@ from stack.common.metrics import CONTENT_TYPE, Collector, Counter, GaugeSample, 
 
 if TYPE_CHECKING:
     from stack.engine.kv_consumer import KVConsumer
-    from stack.engine.scheduler import Scheduler, Sequence
+    from stack.engine.scheduler import Scheduler
+    from stack.engine.sequence import Sequence
 
 # vLLM's buckets (loggers.py), so quantiles compare across both engines.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)

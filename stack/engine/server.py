@@ -34,7 +34,8 @@ from stack.engine.model import Model
 from stack.engine.protocol import CompletionRequest, Kind, ResponseIds
 from stack.engine.choices import Choice
 from stack.engine.prefix_cache import PrefixCache
-from stack.engine.scheduler import Output, Scheduler, Sequence
+from stack.engine.scheduler import Scheduler
+from stack.engine.sequence import Output, Sequence
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 T = TypeVar("T")

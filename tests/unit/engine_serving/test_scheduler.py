@@ -13,7 +13,8 @@ import pytest
 from stack.engine.kv_cache import KVPool
 from stack.engine.model import Model
 from stack.engine.protocol import SamplingParams
-from stack.engine.scheduler import PromptKV, Scheduler, Sequence
+from stack.engine.scheduler import Scheduler
+from stack.engine.sequence import PromptKV, Sequence
 
 from .conftest import chat, wait_until
 
