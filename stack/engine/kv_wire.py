@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -43,6 +43,9 @@ REPLY_PREFIX = struct.Struct("!4sI")  # magic, JSON length
 MAX_HEADER_BYTES = 1 << 20  # a header is ~1-4 kB; anything bigger is not our protocol
 DTYPES = ("float32", "float16")  # payload element types, little-endian
 CHECKSUM_ALGO = "sum64"
+
+
+T = TypeVar("T")
 
 
 class WireError(Exception):
@@ -88,12 +91,7 @@ class KVHeader:
 
     @classmethod
     def decode(cls, body: bytes) -> KVHeader:
-        try:
-            data = json.loads(body)
-            data["block_hashes"] = tuple(data.get("block_hashes", ()))
-            header = cls(**data)
-        except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as exc:
-            raise WireError(f"malformed KV header: {exc}") from None
+        header = _from_json(cls, body, "block_hashes", "header")
         if header.dtype not in DTYPES or header.checksum_algo != CHECKSUM_ALGO:
             raise WireError(f"unsupported dtype/checksum {header.dtype}/{header.checksum_algo}; expected one of {DTYPES}/{CHECKSUM_ALGO}")
         if min(header.n_layers, header.n_kv_heads, header.head_dim, header.num_tokens, header.block_size) <= 0:
@@ -120,15 +118,20 @@ class KVTrailer:
 
     @classmethod
     def decode(cls, body: bytes, n_layers: int) -> KVTrailer:
-        try:
-            data = json.loads(body)
-            data["checksums"] = tuple(data.get("checksums", ()))
-            trailer = cls(**data)
-        except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as exc:
-            raise WireError(f"malformed KV trailer: {exc}") from None
+        trailer = _from_json(cls, body, "checksums", "trailer")
         if len(trailer.checksums) != 2 * n_layers:
             raise WireError(f"KV trailer has {len(trailer.checksums)} checksums for {n_layers} layers (2 per layer)")
         return trailer
+
+
+def _from_json(cls: type[T], body: bytes, list_field: str, what: str) -> T:
+    """`cls(**json)` with `list_field` as a tuple; WireError naming `what` if it is not that."""
+    try:
+        data = json.loads(body)
+        data[list_field] = tuple(data.get(list_field, ()))
+        return cls(**data)
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError, AttributeError) as exc:
+        raise WireError(f"malformed KV {what}: {exc}") from None
 
 
 def trailer_length(data: bytes) -> int:

@@ -7,7 +7,7 @@ import asyncio
 import json
 import random
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -33,18 +33,9 @@ def make(model: Model, *, caching: bool, pool_blocks: int = 4000, dtype: str = "
 
 
 @pytest.fixture
-async def schedulers(tiny: Model) -> AsyncIterator[Callable[..., Scheduler]]:
-    started: list[Scheduler] = []
-
-    def start(**kw) -> Scheduler:
-        s = make(tiny, **kw)
-        s.start()
-        started.append(s)
-        return s
-
-    yield start
-    for s in started:
-        await s.stop()
+def schedulers(tiny: Model, run_schedulers: Callable[[Scheduler], Scheduler]) -> Callable[..., Scheduler]:
+    """`schedulers(caching=…, pool_blocks=…, dtype=…)`: a running scheduler with its own prefix cache."""
+    return lambda **kw: run_schedulers(make(tiny, **kw))
 
 
 async def run(s: Scheduler, prompt: list[int], params: SamplingParams = GREEDY) -> tuple[list[int], int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -25,19 +25,13 @@ def scheduler(model: Model, budget: int, chunked: bool, pool_blocks: int = 10_00
 
 
 @pytest.fixture
-async def running(tiny: Model) -> AsyncIterator[Callable[..., Scheduler]]:
+def running(tiny: Model, run_schedulers: Callable[[Scheduler], Scheduler]) -> Callable[..., Scheduler]:
     """`running(budget=…, chunked=…, pool_blocks=…)`: a scheduler with its step loop started, stopped after the test."""
-    started: list[Scheduler] = []
 
     def start(budget: int = 64, chunked: bool = False, pool_blocks: int = 10_000) -> Scheduler:
-        s = scheduler(tiny, budget, chunked, pool_blocks)
-        s.start()
-        started.append(s)
-        return s
+        return run_schedulers(scheduler(tiny, budget, chunked, pool_blocks))
 
-    yield start
-    for s in started:
-        await s.stop()
+    return start
 
 
 async def completion(seq: Sequence) -> tuple[str, str | None, int]:
