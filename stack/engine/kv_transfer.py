@@ -80,8 +80,8 @@ class LayerStream:
     def abort(self) -> None:
         self._items.put(None)
 
-    def next(self, timeout: float | None) -> tuple[int, KVCache] | KVTrailer:
-        item = self._items.get(timeout=timeout)
+    def next(self) -> tuple[int, KVCache] | KVTrailer:
+        item = self._items.get()
         if item is None:
             raise _Aborted()
         return item
@@ -96,8 +96,8 @@ class KVProducer:
     async def push(self, header: KVHeader, stream: LayerStream, decode_kv_addr: str) -> PushResult:
         """Send the layers `stream` yields under `header`, then its trailer; raise KVTransferError on any failure.
 
-        The wait for the first layer (the prefill's queueing and compute up to it) is not bounded here:
-        the hand-off always ends the stream. Everything after it is (each socket step, each wait for a layer).
+        The waits for layers (the prefill's queueing and compute) are not bounded here: the hand-off
+        always ends the stream. Each socket step is.
         """
         tid = header.transfer_id
         log_event(
@@ -122,7 +122,7 @@ class KVProducer:
             raise KVTransferError(
                 "connect_failed", f"cannot push KV to decode_kv_addr {decode_kv_addr}: {exc.error}", decode_kv_addr=decode_kv_addr
             ) from None
-        except (OSError, WireError, ValueError, queue.Empty) as exc:
+        except (OSError, WireError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc or 'the push did not finish in time'}"
             log_event(events.KV_PRODUCER_FAILED, f"KV push to {decode_kv_addr} broke: {error}", "ERROR",
                       transfer_id=tid, decode_kv_addr=decode_kv_addr, error=error)
@@ -195,10 +195,11 @@ def _push_blocking(addr: tuple[str, int], header: KVHeader, stream: LayerStream,
     """Runs in its own thread: connect, header, reply, each layer as it comes, trailer, ack; (ack, reused blocks, start time).
 
     Connects at the prefill's first finished layer, so no connection idles while a prefill queues.
-    Every socket step and every wait for the next layer is bounded by `timeout`. sendall releases the
-    GIL; the forward goes on computing the next layer meanwhile.
+    Every socket step is bounded by `timeout`; the waits for the next layer last as long as the
+    prefill computes it (a loaded CPU may take seconds per layer), and decode's kv_lease_ms bounds the
+    whole payload. sendall releases the GIL; the forward goes on computing the next layer meanwhile.
     """
-    item = stream.next(None)  # the hand-off always ends the stream: this wait ends with the prefill
+    item = stream.next()  # the hand-off always ends the stream: this wait ends with the prefill
     started = time.perf_counter()
     try:
         sock = socket.create_connection(addr, timeout=timeout)
@@ -218,7 +219,7 @@ def _push_blocking(addr: tuple[str, int], header: KVHeader, stream: LayerStream,
                 for segment in kv_wire.layer_segments(cache.k, cache.v, layer, start, header.num_tokens, header.dtype):
                     checksums.append(kv_wire.checksum(segment))
                     sock.sendall(memoryview(segment).cast("B"))
-                item = stream.next(timeout)
+                item = stream.next()  # bounded by the prefill's step, which always ends (finish or abort)
         except _Aborted:
             sock.shutdown(socket.SHUT_RDWR)  # decode sees the payload end early and drops the reservation
             raise WireError("the prefill ended before its KV was complete; the transfer was abandoned") from None
