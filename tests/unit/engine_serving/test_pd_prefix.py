@@ -3,9 +3,16 @@ the delta transfer decodes as a full one, and float16 KV keeps greedy outputs.""
 
 from __future__ import annotations
 
+import asyncio
+import struct
 from typing import Any
 
 import numpy as np
+
+from stack.engine import kv_wire
+from stack.engine.kv_cache import KVCache
+from stack.engine.kv_transfer import KVProducer, LayerStream, prompt_hash
+from stack.engine.kv_wire import KVHeader, KVTrailer, Reply
 
 from .conftest import EngineHandle, chat, prefill_leg
 
@@ -100,3 +107,45 @@ async def test_a_prefill_without_prefix_caching_ships_everything_to_a_caching_de
         sizes.append(received(decode) - before)
     assert sizes == [prompt * decode.engine.model.config.kv_bytes_per_token] * 2
     assert decode.engine.scheduler.metrics.kv_reused.value() == 0 and decode.engine.scheduler.prefix.blocks  # it holds them, unasked
+
+
+async def test_each_layer_goes_on_the_wire_before_the_next_is_computed(tiny) -> None:
+    """The push sends layer 0 as soon as it is done: a receiver reads all of it while layer 1 does not exist yet."""
+    cfg, n = tiny.config, 40
+    cache = KVCache(cfg, n)
+    cache.k[...] = np.random.default_rng(1).standard_normal(cache.k.shape, dtype=np.float32)
+    cache.v[...] = -cache.k
+    cache.set_length(n)
+    header = KVHeader("t-stream", "stream", tiny.fingerprint, "float16", cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n, prompt_hash([1] * n))
+    segment = n * cfg.n_kv_heads * cfg.head_dim * 2  # float16 bytes of one layer's K (or V)
+    layer_zero: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+    stream = LayerStream()
+
+    async def receive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        (length,) = struct.unpack("!I", (await reader.readexactly(kv_wire.PREAMBLE.size))[6:])
+        await reader.readexactly(length)
+        writer.write(Reply(True, "accepted", "send", {"reused_blocks": 0}).encode())
+        layer_zero.set_result(await reader.readexactly(2 * segment))  # layer 0's K and V, before anything else exists
+        rest = await reader.readexactly(2 * segment * (cfg.n_layers - 1))
+        (trailer_length,) = struct.unpack("!I", await reader.readexactly(4))
+        trailer = KVTrailer.decode(await reader.readexactly(trailer_length), cfg.n_layers)
+        got = layer_zero.result() + rest
+        sums = [kv_wire.checksum(np.frombuffer(got[i * segment : (i + 1) * segment], np.uint8)) for i in range(2 * cfg.n_layers)]
+        ok = sums == list(trailer.checksums) and trailer.first_token == 7
+        writer.write(Reply(ok, "stored" if ok else "checksum_mismatch", "done").encode())
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(receive, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    push = asyncio.ensure_future(KVProducer(io_timeout_s=5).push(header, stream, f"127.0.0.1:{port}"))
+    stream.layer_done(0, cache)
+    sent = await asyncio.wait_for(layer_zero, 10)  # 10 s: a hang guard only
+    assert np.array_equal(np.frombuffer(sent[:segment], np.float16), cache.k[0].astype(np.float16).reshape(-1))
+    for layer in range(1, cfg.n_layers):
+        stream.layer_done(layer, cache)
+    stream.finish(KVTrailer(first_token=7, seed=0))
+    result = await asyncio.wait_for(push, 10)
+    assert result.bytes == header.payload_bytes(0) and result.reused_blocks == 0
+    server.close()
+    await server.wait_closed()
