@@ -8,6 +8,7 @@ segments, and a colocated step mixes both in one call. The `Model` holds no per-
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,8 +56,11 @@ def load_model(source: str, seed: int = 0) -> Model:
     return Model(name, config, weights, tokenizer, fingerprint(config, weights))
 
 
-def forward(model: Model, segments: list[Segment], all_logits: bool = False) -> np.ndarray | list[np.ndarray]:
+def forward(model: Model, segments: list[Segment], all_logits: bool = False,
+            on_layer: Callable[[int], None] | None = None) -> np.ndarray | list[np.ndarray]:
     """Run one step. Writes each segment's K/V into its cache and advances `cache.length`.
+
+    `on_layer(i)` is called once layer i's K/V of every segment are written (a PD prefill streams them).
 
     Returns (len(segments), vocab) logits of each segment's last token, or with `all_logits` a list
     of (T, vocab) arrays, one per segment. Raises `TokenRangeError` for ids outside the vocabulary.
@@ -94,6 +98,8 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False) -> 
             s.cache.k[layer_index, s.start_pos : end] = k[lo:hi]
             s.cache.v[layer_index, s.start_pos : end] = v[lo:hi]
             attn[lo:hi] = attention(q[lo:hi], s.cache.k[layer_index, :end], s.cache.v[layer_index, :end], s.start_pos)
+        if on_layer is not None:
+            on_layer(layer_index)
         x += attn.reshape(N, H * hd) @ layer.wo  # (N, dim)
         h = rms_norm(x, layer.mlp_norm, cfg.norm_eps)  # (N, dim)
         x += swiglu(h @ layer.w_gate_up) @ layer.w_down  # (N, dim)
