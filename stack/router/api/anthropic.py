@@ -353,11 +353,14 @@ async def messages(request: web.Request) -> web.StreamResponse:
 
 
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI usage in Anthropic's terms: `input_tokens` excludes cache reads (Anthropic's total input is
+    input_tokens + cache_read_input_tokens), where OpenAI's `prompt_tokens` includes them."""
+    prompt = usage.get("prompt_tokens", 0)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    result = {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)}
-    if isinstance(cached, int):
-        result["cache_read_input_tokens"] = cached
-    return result
+    if not isinstance(cached, int):
+        return {"input_tokens": prompt, "output_tokens": usage.get("completion_tokens", 0)}
+    return {"input_tokens": max(prompt - cached, 0), "output_tokens": usage.get("completion_tokens", 0),
+            "cache_read_input_tokens": cached}
 
 
 async def _counted(batches: AsyncIterator[list[dict[str, Any]]], count: asyncio.Future[dict[str, Any] | None],
