@@ -1,9 +1,11 @@
 """Failure strings of real PD engines (vLLM, NIXL, UCX, SGLang, Mooncake, NCCL, LMCache) → cause and fix.
 
 Each signature is the exact text those projects log (a regex over the stable part of the format
-string), the cause, the fix and where the string comes from. None comes from a run recorded by this
-project yet (a real vLLM cannot run in CI before issue 11): all are cited upstream lines, collected
-in ../shared/reference/anchors-2026-12.md §2 with the source file or issue thread given here.
+string), the cause, the fix and where the string comes from: cited upstream lines, collected in
+../shared/reference/anchors-2026-12.md §2 with the source file or issue thread given here. Those a
+real vLLM 0.32.0 (CPU) printed in this project's own runs (issue 11: the vllm tier) are also recorded
+as bundles, tests/unit/doctor/bundles/vllm_*/: the connector errors, the KV lease lines and the
+transfer metrics.
 The unit fixtures (tests/unit/doctor/bundles/upstream_*.log) carry one line per signature, each
 with a comment naming its source.
 
@@ -32,6 +34,16 @@ class Signature:
 RESTART_BOTH = "restart both engines: docker compose up -d --force-recreate prefill decode"
 
 SIGNATURES: tuple[Signature, ...] = (
+    Signature(
+        "vllm.unknown_connector", "error",
+        r"Unsupported connector type: (\S+)",
+        "A vLLM engine names a KV connector its vLLM does not have: it refuses to start",
+        "--kv-transfer-config's kv_connector is not registered in this vLLM, so the server exits at start (the "
+        "container restarts or stays down). P2pNcclConnector is gone: not in vLLM 0.32.0 or 0.33.0.",
+        "use \"kv_connector\":\"NixlConnector\" (compose.gpu.yaml), or pin a vLLM image that still ships the "
+        "connector you name; docker compose logs prefill decode | grep -i connector",
+        "vllm-project/vllm vllm/distributed/kv_transfer/kv_connector/factory.py; recorded from vLLM 0.32.0 CPU "
+        "(tests/unit/doctor/bundles/vllm_wrong_connector)"),
     Signature(
         "vllm.no_kv_connector", "error",
         r"Got kv_transfer_params, but no KVConnector found\. Disabling KVTransfer for this request\.",

@@ -107,7 +107,8 @@ class RouterProcess(ServiceProcess):
     """`python -m stack.router` over vLLM servers (GET /health checks), on free loopback ports."""
 
     def __init__(self, workdir: Path, prefill: VllmServer, decode: VllmServer, scheduler: str = "", pools: str = "") -> None:
-        """`scheduler`: lines for [scheduler]; `pools`: lines for both [prefill] and [decode]."""
+        """`scheduler`: lines for [scheduler]; `pools`: lines for both [prefill] and [decode]. /tokenize is public
+        ([server] public_tokenizer): `vllm bench serve` aligns its prompts there without a key."""
         self.port, self.health_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.workdir = workdir
@@ -117,6 +118,7 @@ class RouterProcess(ServiceProcess):
 host = "127.0.0.1"
 port = {self.port}
 health_port = {self.health_port}
+public_tokenizer = true
 [taotoken]
 model_id = "{MODEL}"
 model_aliases = ["claude-*"]
@@ -153,3 +155,18 @@ def started() -> Iterator[list[Any]]:
 
 def auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {KEY}"}
+
+
+def vllm_bench(venv: Path, router: RouterProcess, tokenizer: Path, result_dir: Path, endpoint: str = "/v1/completions",
+               prompts: int = 12) -> tuple[dict[str, Any], str]:
+    """`vllm bench serve` (the installed vLLM's own client) against the router: its result JSON and its output."""
+    args = [str(venv / "bin/vllm"), "bench", "serve", "--backend", "openai-chat" if "chat" in endpoint else "openai",
+            "--base-url", router.url, "--endpoint", endpoint, "--model", MODEL, "--tokenizer", str(tokenizer),
+            "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "8", "--num-prompts", str(prompts),
+            "--request-rate", "4", "--seed", "0", "--ignore-eos", "--save-result", "--result-dir", str(result_dir),
+            "--result-filename", "bench.json"]
+    env = {**os.environ, "OPENAI_API_KEY": KEY, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    return json.loads((result_dir / "bench.json").read_text()), output

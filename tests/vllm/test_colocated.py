@@ -18,7 +18,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.vllm.conftest import KEY, MODEL, SERVED, RouterProcess, VllmServer, auth
+from stack.engine import tiny_llama
+from tests.vllm.conftest import KEY, MODEL, SERVED, RouterProcess, VllmServer, auth, vllm_bench
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -29,7 +30,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "count"], "additionalProperties": False}
 HELLO = [{"role": "user", "content": "Say hello to the key value cache"}]
 # Random weights left to JSON's optional whitespace write newlines until max_tokens: grammars without it end fast.
-COMPACT_JSON = ("--structured-outputs-config", json.dumps({"backend": "guidance", "disable_any_whitespace": True}))
+COMPACT_JSON = ("--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True}))
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +175,14 @@ async def test_logprobs_pass_through(oai) -> None:
     for item in content:
         assert len(item.top_logprobs) == 2 and item.logprob <= 0
         assert item.logprob == max(t.logprob for t in item.top_logprobs)  # greedy picks the most likely token
+
+
+def test_vllm_bench_serve_through_the_router(stack, vllm_venv, tmp_path) -> None:
+    """vLLM's own benchmark client against the router: every request completes, and its alignment step works through
+    the router's /tokenize and /detokenize (a local tokenizer with other merges makes it re-align every prompt)."""
+    other = tmp_path / "other-tokenizer"
+    tiny_llama.write(other, vocab=300)
+    result, output = vllm_bench(vllm_venv, stack, other, tmp_path)
+    assert "/tokenize unavailable" not in output
+    assert "re-aligning prompts" in output
+    assert result["completed"] == 12 and result.get("failed", 0) == 0, result
