@@ -9,6 +9,10 @@ from __future__ import annotations
 from doctor.findings import Context, Finding, finding
 from doctor.parse import UPSTREAM
 from doctor.signatures import SIGNATURES
+from stack.common import events
+
+# What the router logs for the same cause: vLLM's lines carry no request id, the router's name the requests it failed.
+_ROUTER_SIDE = {"vllm.no_kv_connector": "returned no kv_transfer_params"}
 
 
 def check(ctx: Context) -> list[Finding]:
@@ -20,10 +24,12 @@ def check(ctx: Context) -> list[Finding]:
         if not seen:
             continue
         where = ", ".join(sorted({r.service for r in seen}))
+        router = [r for r in ctx.by_event(events.ROUTER_PREFILL_FAILED)
+                  if sig.id in _ROUTER_SIDE and _ROUTER_SIDE[sig.id] in (r[events.ERROR] or "")]
         out.append(finding(
             sig.id, sig.severity, f"{sig.title} ({len(seen)} line(s) from {where})",
-            f"{sig.cause} (string from {sig.source})", sig.fix, seen,
-            [r.request_id for r in seen]))
+            f"{sig.cause} (string from {sig.source})", sig.fix, seen + router[:3],
+            [r.request_id for r in seen + router]))
     return out
 
 

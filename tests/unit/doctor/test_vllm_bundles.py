@@ -47,3 +47,19 @@ def test_unknown_connector_is_named_with_its_fix():
     f = by_id(findings, "vllm.unknown_connector")
     assert f.severity == "error" and "P2pNcclConnector" in f.evidence[0].line
     assert "NixlConnector" in f.fix
+
+
+def test_prefill_without_a_connector_names_the_requests_it_failed():
+    findings, _ = diagnose(BUNDLES / "vllm_no_connector")
+    assert ids(findings) == {"vllm.no_kv_connector"}  # the router's 502s are explained, not "unexplained"
+    f = by_id(findings, "vllm.no_kv_connector")
+    assert len(f.request_ids) == 2 and "--kv-transfer-config" in f.fix
+    assert {e.service for e in f.evidence} == {"router", "prefill"}
+
+
+def test_decode_down_is_named_with_its_url():
+    findings, _ = diagnose(BUNDLES / "vllm_decode_down")
+    assert ids(findings) == {"backend.decode_down"}
+    f = by_id(findings, "backend.decode_down")
+    assert f.severity == "error" and "http://127.0.0.1:18102" in f.cause
+    assert {"rec-down-1", "rec-down-2"} <= set(f.request_ids)
