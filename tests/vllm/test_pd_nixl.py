@@ -136,12 +136,13 @@ async def test_eos_at_prefill_returns_the_finished_answer(pd, oai) -> None:
 async def test_cached_tokens_are_the_prefills(pd, oai) -> None:
     """The same long prompt twice: the second hits the PREFILL's prefix cache; the client's cached_tokens say so (decode,
     which loaded every token over NIXL, would say ~all)."""
-    prompt = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 12}]
+    prompt = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 40}]  # 365 tokens
     first = await oai.chat.completions.create(model=MODEL, messages=prompt, max_tokens=2, temperature=0)
     second = await oai.chat.completions.create(model=MODEL, messages=prompt, max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert 0 < cached < second.usage.prompt_tokens and cached % 16 == 0  # whole prefix-cache blocks of the prefill
+    # whole prefix-cache blocks of the prefill (vLLM CPU: 128 tokens a block): 256 of 365 in the capture
+    assert 0 < cached < second.usage.prompt_tokens and cached % 128 == 0
 
 
 async def test_concurrent_mixed_requests_all_complete(pd, oai) -> None:
