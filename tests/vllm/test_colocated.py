@@ -18,7 +18,6 @@ import jsonschema
 import openai
 import pytest
 
-from stack.engine import tiny_llama
 from tests.vllm.conftest import KEY, MODEL, SERVED, RouterProcess, VllmServer, auth, vllm_bench
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -195,12 +194,11 @@ async def test_logprobs_pass_through(oai) -> None:
         assert item.logprob == max(t.logprob for t in item.top_logprobs)  # greedy picks the most likely token
 
 
-def test_vllm_bench_serve_through_the_router(stack, vllm_venv, tmp_path) -> None:
-    """vLLM's own benchmark client against the router: every request completes, and its alignment step works through
-    the router's /tokenize and /detokenize (a local tokenizer with other merges makes it re-align every prompt)."""
-    other = tmp_path / "other-tokenizer"
-    tiny_llama.write(other, vocab=300)
-    result, output = vllm_bench(vllm_venv, stack, other, tmp_path)
-    assert "/tokenize unavailable" not in output
-    assert "re-aligning prompts" in output
+def test_vllm_bench_serve_through_the_router(stack, vllm_venv, checkpoint, tmp_path) -> None:
+    """vLLM's own benchmark client against the router: every request completes, and its alignment step gets the
+    router's /tokenize (no "/tokenize unavailable"; the bench sends no key there: [server] public_tokenizer)."""
+    result, output = vllm_bench(vllm_venv, stack, checkpoint, tmp_path)
+    assert "/tokenize unavailable" not in output, output[-2000:]
     assert result["completed"] == 12 and result.get("failed", 0) == 0, result
+    tokenized = [e for e in stack.events("http.access") if e["path"] == "/tokenize"]
+    assert tokenized and all(e["status"] == 200 for e in tokenized)
