@@ -390,8 +390,9 @@ class PDClient:
             self.metrics.prefill.observe(elapsed)
             finish = _finish_reason(answer)
             if finish not in (None, "length"):
-                # The one token ended the answer (EOS, a stop string): vLLM then hands on no kv_transfer_params (or
-                # params a decode would continue past the end from). The answer is complete; no decode leg.
+                # The one token ended the answer (EOS, a stop string). vLLM 0.32 still hands on kv_transfer_params
+                # (it keeps FINISHED_STOPPED blocks for a remote decode; fixtures/vllm_nixl_prefill_eos.json), and a
+                # decode leg would generate past the end. The answer is complete: no decode leg.
                 log_event(events.ROUTER_PREFILL_FINISHED, f"prefill {prefill.url} finished the answer ({finish})",
                           request_id=job.request_id, prefill=prefill.url, decode=decode.url, finish_reason=finish)
                 return _Handed(route, None, prefill.url, answered_at, finished=answer)
