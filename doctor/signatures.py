@@ -139,16 +139,20 @@ SIGNATURES: tuple[Signature, ...] = (
         "kv.stranded_on_prefill", "warning",
         r"Releasing expired KV blocks for request (\S+)",
         "KV computed by prefill expired before decode pulled it",
-        "Decode never read the KV within the lease (VLLM_NIXL_ABORT_REQUEST_TIMEOUT): decode crashed, the request "
-        "was aborted, or decode cannot reach prefill.",
-        "docker compose logs decode --since 10m; raise VLLM_NIXL_ABORT_REQUEST_TIMEOUT only if decode is merely slow",
-        "vllm-project/vllm nixl_connector.py get_finished; vllm-project/vllm#25562"),
+        "Decode never read the KV within the lease (vLLM 0.32: kv_connector_extra_config kv_lease_duration, 30 s; "
+        "older: VLLM_NIXL_ABORT_REQUEST_TIMEOUT): decode crashed, the request was aborted, or decode cannot reach "
+        "prefill. (A request whose prefill token ended it, router.prefill_finished, is not counted: no decode was due.)",
+        "docker compose logs decode --since 10m; raise the lease (kv_lease_duration, or VLLM_NIXL_ABORT_REQUEST_TIMEOUT "
+        "before 0.32) only if decode is merely slow",
+        "vllm-project/vllm nixl_connector.py get_finished; vllm-project/vllm#25562; vLLM 0.32.0 nixl/base_worker.py "
+        "_reap_expired_send_leases (recorded: tests/unit/doctor/bundles/vllm_kv_expiry)"),
     Signature(
         "kv.read_after_expiry", "error",
         r"Potentially invalid KV blocks for unrecognized request (\S+) were retrieved by a decode worker",
         "Decode read KV blocks after prefill had released them: output may be silently wrong",
         "Decode pulled after the lease expired; the blocks may already hold another request's KV.",
-        "raise the KV lease / VLLM_NIXL_ABORT_REQUEST_TIMEOUT above decode's worst queueing delay; add decode capacity",
+        "raise the KV lease (kv_connector_extra_config kv_lease_duration; VLLM_NIXL_ABORT_REQUEST_TIMEOUT before 0.32) "
+        "above decode's worst queueing delay and the router's [scheduler] kv_lease_ms with it; add decode capacity",
         "vllm-project/aibrix#1772 (../shared/reference/vllm_pd.md §3)"),
     Signature(
         "sglang.bootstrap_timeout", "error",

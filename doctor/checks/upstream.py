@@ -17,10 +17,15 @@ _ROUTER_SIDE = {"vllm.no_kv_connector": "returned no kv_transfer_params"}
 
 def check(ctx: Context) -> list[Finding]:
     out: list[Finding] = []
+    # Requests whose prefill token ended them: their blocks wait out the lease by design (vLLM keeps FINISHED_STOPPED
+    # blocks for a decode that the router rightly never sends). vLLM names them chatcmpl-<X-Request-ID>-<8 hex>.
+    finished = {r.request_id for r in ctx.by_event(events.ROUTER_PREFILL_FINISHED)}
     for sig in SIGNATURES:
         if sig.proof:
             continue
         seen = ctx.by_event(UPSTREAM + sig.id)
+        if sig.id == "kv.stranded_on_prefill" and finished:
+            seen = [r for r in seen if not any(f"-{rid}-" in r.line for rid in finished)]
         if not seen:
             continue
         where = ", ".join(sorted({r.service for r in seen}))
