@@ -145,7 +145,7 @@ SIGNATURES: tuple[Signature, ...] = (
         "docker compose logs decode --since 10m; raise the lease (kv_lease_duration, or VLLM_NIXL_ABORT_REQUEST_TIMEOUT "
         "before 0.32) only if decode is merely slow",
         "vllm-project/vllm nixl_connector.py get_finished; vllm-project/vllm#25562; vLLM 0.32.0 nixl/base_worker.py "
-        "_reap_expired_send_leases (recorded: tests/unit/doctor/bundles/vllm_kv_expiry)"),
+        "_reap_expired_send_leases (recorded: tests/unit/doctor/bundles/vllm_kv_expiry, vllm_eos_at_prefill)"),
     Signature(
         "kv.read_after_expiry", "error",
         r"Potentially invalid KV blocks for unrecognized request (\S+) were retrieved by a decode worker",

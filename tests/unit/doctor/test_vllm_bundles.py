@@ -6,7 +6,8 @@ vllm_kv_expiry        a decode pull sent 40 s after its prefill: the 30 s lease 
 vllm_wrong_connector  a vLLM started with kv_connector P2pNcclConnector (gone from vLLM): it refuses to start
 vllm_no_connector     the router's prefill leg to a vLLM started without --kv-transfer-config
 vllm_decode_down      the decode vLLM killed under the router: requests fail at decode
-vllm_eos_at_prefill   two requests whose prefill token is EOS (logit_bias), then two ordinary ones
+vllm_eos_at_prefill   two requests whose prefill token is EOS (logit_bias), then two ordinary ones; 30 s later vLLM
+                      releases the EOS requests' blocks (no decode pulled them: none was due)
 """
 
 from __future__ import annotations
@@ -66,27 +67,11 @@ def test_decode_down_is_named_with_its_url():
     assert {"rec-down-1", "rec-down-2"} <= set(f.request_ids)
 
 
-def test_lease_expiry_of_a_request_the_prefill_finished_is_not_stranded_kv(tmp_path):
-    """vLLM keeps the blocks of a prefill that ended in EOS for a decode the router rightly never sends; their expiry
-    ("Releasing expired KV blocks for request chatcmpl-<id>-<hex>") is by design once the router logged
-    router.prefill_finished for <id>. The recorded expiry bundle, plus that router line for one of its requests."""
-    import json
-    import shutil
-
-    bundle = tmp_path / "bundle"
-    shutil.copytree(BUNDLES / "vllm_kv_expiry", bundle)
-    line = {"ts": "2026-12-01T12:14:40.000Z", "level": "INFO", "service": "router", "event": "router.prefill_finished",
-            "request_id": "cap-cacheb-0", "msg": "prefill http://127.0.0.1:18101 finished the answer (stop)",
-            "prefill": "http://127.0.0.1:18101", "decode": "http://127.0.0.1:18102", "finish_reason": "stop"}
-    (bundle / "router.log").write_text(json.dumps(line) + "\n")
-    before = by_id(diagnose(BUNDLES / "vllm_kv_expiry")[0], "kv.stranded_on_prefill")
-    after = by_id(diagnose(bundle)[0], "kv.stranded_on_prefill")
-    assert any("chatcmpl-cap-cacheb-0-" in e.line for e in before.evidence)
-    assert not any("chatcmpl-cap-cacheb-0-" in e.line for e in after.evidence)
-    assert any("chatcmpl-cap-late-" in e.line for e in after.evidence)  # the real stranded one stays
-
-
 def test_eos_at_prefill_requests_are_complete_without_a_decode_leg():
+    """Their blocks wait out vLLM's 30 s lease ("Releasing expired KV blocks … retrieved by 0 remote worker(s)"): by
+    design, since no decode was due, so that is no stranded-KV warning."""
+    prefill_log = (BUNDLES / "vllm_eos_at_prefill" / "prefill.log").read_text()
+    assert prefill_log.count("Releasing expired KV blocks") == 2
     findings, ctx = diagnose(BUNDLES / "vllm_eos_at_prefill")
     assert ids(findings) == {"healthy"}
     finished = [t for t in ctx.timelines.values() if t.first("router.prefill_finished") is not None]
