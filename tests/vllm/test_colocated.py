@@ -10,6 +10,7 @@ vLLM, so they are valid whatever the weights.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -18,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.vllm.conftest import KEY, MODEL, SERVED, RouterProcess, VllmServer, auth, vllm_bench
+from tests.vllm.conftest import KEY, MODEL, SERVED, RouterProcess, VllmServer, auth, stop_all, vllm_bench
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -34,7 +35,7 @@ COMPACT_JSON = ("--structured-outputs-config", json.dumps({"backend": "xgrammar"
 
 
 @pytest.fixture(scope="module")
-def stack(vllm_venv, checkpoint, tmp_path_factory, started) -> RouterProcess:
+def stack(vllm_venv, checkpoint, tmp_path_factory, started) -> Iterator[RouterProcess]:
     workdir = tmp_path_factory.mktemp("colocated")
     server = VllmServer(vllm_venv, checkpoint, workdir / "vllm.log", "--enable-auto-tool-choice", "--tool-call-parser",
                         "hermes", "--enable-prompt-tokens-details", *COMPACT_JSON)
@@ -43,7 +44,8 @@ def stack(vllm_venv, checkpoint, tmp_path_factory, started) -> RouterProcess:
     router = RouterProcess(workdir, server, server, pools='capabilities = "vllm"')
     started.append(router)
     router.vllm = server  # type: ignore[attr-defined]
-    return router
+    yield router
+    stop_all(started)  # before the next module starts its own
 
 
 @pytest.fixture

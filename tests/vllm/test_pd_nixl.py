@@ -14,6 +14,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.vllm.conftest import KEY, MODEL, SERVED, RouterProcess, VllmServer, free_port
+from tests.vllm.conftest import KEY, MODEL, SERVED, RouterProcess, VllmServer, free_port, stop_all
 
 FIXTURES = Path(__file__).resolve().parents[1] / "unit/router_pd/fixtures"
 HELLO = [{"role": "user", "content": "Explain the key value cache in one sentence"}]
@@ -43,7 +44,7 @@ def pd_server(venv: Path, checkpoint: Path, workdir: Path, role: str, core: str)
 
 
 @pytest.fixture(scope="module")
-def pd(vllm_venv, checkpoint, tmp_path_factory, started) -> RouterProcess:
+def pd(vllm_venv, checkpoint, tmp_path_factory, started) -> Iterator[RouterProcess]:
     workdir = tmp_path_factory.mktemp("pd")
     decode = pd_server(vllm_venv, checkpoint, workdir, "kv_consumer", "1")
     started.append(decode)
@@ -54,7 +55,8 @@ def pd(vllm_venv, checkpoint, tmp_path_factory, started) -> RouterProcess:
     router = RouterProcess(workdir, prefill, decode, scheduler='kv_connector = "nixl"', pools='capabilities = "vllm"')
     started.append(router)
     router.prefill, router.decode = prefill, decode  # type: ignore[attr-defined]
-    return router
+    yield router
+    stop_all(started)
 
 
 @pytest.fixture
