@@ -317,6 +317,8 @@ def verify(args: argparse.Namespace, stack: Stack | None = None, model: str | No
         time.sleep(0.5)
     summary = {"project": stack.project, "request_id": rid, "router_url": url, "stream": what}
     timeline = ctx.timeline(rid) if ctx else None
+    if done and timeline is not None and _foreign_engines(timeline):  # before `complete`: for vLLM, a 200 proves no KV
+        return _verify_vllm(stack, env, sent_at, rid, what, timeline), summary
     if done and timeline is not None and timeline.complete:
         if timeline.colocated:
             return [ok("verify", f"verified: request {rid} went router → engine (colocated; no KV transfer): {what}")], summary
@@ -329,8 +331,6 @@ def verify(args: argparse.Namespace, stack: Stack | None = None, model: str | No
         return [finding("verify", "ok", f"verified: request {rid} went router → prefill → KV ({detail}) → decode: "
                         f"{what}", "kv_producer.sent in prefill and kv_consumer lines in decode carry the same "
                         "request id.", "nothing to fix", evidence, [rid])], summary
-    if done and timeline is not None and _foreign_engines(timeline):
-        return _verify_vllm(stack, env, sent_at, rid, what, timeline), summary
     findings = [f for f in run_checks(ctx.narrow(rid) or ctx) if f.severity != "ok"] if ctx else []
     stopped = timeline.stopped_at if timeline is not None else None
     reason = (f"it stopped at {stopped}" if stopped else

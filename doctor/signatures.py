@@ -1,9 +1,11 @@
 """Failure strings of real PD engines (vLLM, NIXL, UCX, SGLang, Mooncake, NCCL, LMCache) → cause and fix.
 
 Each signature is the exact text those projects log (a regex over the stable part of the format
-string), the cause, the fix and where the string comes from. None comes from a run recorded by this
-project yet (a real vLLM cannot run in CI before issue 11): all are cited upstream lines, collected
-in ../shared/reference/anchors-2026-12.md §2 with the source file or issue thread given here.
+string), the cause, the fix and where the string comes from: cited upstream lines, collected in
+../shared/reference/anchors-2026-12.md §2 with the source file or issue thread given here. Those a
+real vLLM 0.32.0 (CPU) printed in this project's own runs (issue 11: the vllm tier) are also recorded
+as bundles, tests/unit/doctor/bundles/vllm_*/: the connector errors, the KV lease lines and the
+transfer metrics.
 The unit fixtures (tests/unit/doctor/bundles/upstream_*.log) carry one line per signature, each
 with a comment naming its source.
 
@@ -32,6 +34,16 @@ class Signature:
 RESTART_BOTH = "restart both engines: docker compose up -d --force-recreate prefill decode"
 
 SIGNATURES: tuple[Signature, ...] = (
+    Signature(
+        "vllm.unknown_connector", "error",
+        r"Unsupported connector type: (\S+)",
+        "A vLLM engine names a KV connector its vLLM does not have: it refuses to start",
+        "--kv-transfer-config's kv_connector is not registered in this vLLM, so the server exits at start (the "
+        "container restarts or stays down). P2pNcclConnector is gone: not in vLLM 0.32.0 or 0.33.0.",
+        "use \"kv_connector\":\"NixlConnector\" (compose.gpu.yaml), or pin a vLLM image that still ships the "
+        "connector you name; docker compose logs prefill decode | grep -i connector",
+        "vllm-project/vllm vllm/distributed/kv_transfer/kv_connector/factory.py; recorded from vLLM 0.32.0 CPU "
+        "(tests/unit/doctor/bundles/vllm_wrong_connector)"),
     Signature(
         "vllm.no_kv_connector", "error",
         r"Got kv_transfer_params, but no KVConnector found\. Disabling KVTransfer for this request\.",
@@ -127,16 +139,20 @@ SIGNATURES: tuple[Signature, ...] = (
         "kv.stranded_on_prefill", "warning",
         r"Releasing expired KV blocks for request (\S+)",
         "KV computed by prefill expired before decode pulled it",
-        "Decode never read the KV within the lease (VLLM_NIXL_ABORT_REQUEST_TIMEOUT): decode crashed, the request "
-        "was aborted, or decode cannot reach prefill.",
-        "docker compose logs decode --since 10m; raise VLLM_NIXL_ABORT_REQUEST_TIMEOUT only if decode is merely slow",
-        "vllm-project/vllm nixl_connector.py get_finished; vllm-project/vllm#25562"),
+        "Decode never read the KV within the lease (vLLM 0.32: kv_connector_extra_config kv_lease_duration, 30 s; "
+        "older: VLLM_NIXL_ABORT_REQUEST_TIMEOUT): decode crashed, the request was aborted, or decode cannot reach "
+        "prefill. (A request whose prefill token ended it, router.prefill_finished, is not counted: no decode was due.)",
+        "docker compose logs decode --since 10m; raise the lease (kv_lease_duration, or VLLM_NIXL_ABORT_REQUEST_TIMEOUT "
+        "before 0.32) only if decode is merely slow",
+        "vllm-project/vllm nixl_connector.py get_finished; vllm-project/vllm#25562; vLLM 0.32.0 nixl/base_worker.py "
+        "_reap_expired_send_leases (recorded: tests/unit/doctor/bundles/vllm_kv_expiry, vllm_eos_at_prefill)"),
     Signature(
         "kv.read_after_expiry", "error",
         r"Potentially invalid KV blocks for unrecognized request (\S+) were retrieved by a decode worker",
         "Decode read KV blocks after prefill had released them: output may be silently wrong",
         "Decode pulled after the lease expired; the blocks may already hold another request's KV.",
-        "raise the KV lease / VLLM_NIXL_ABORT_REQUEST_TIMEOUT above decode's worst queueing delay; add decode capacity",
+        "raise the KV lease (kv_connector_extra_config kv_lease_duration; VLLM_NIXL_ABORT_REQUEST_TIMEOUT before 0.32) "
+        "above decode's worst queueing delay and the router's [scheduler] kv_lease_ms with it; add decode capacity",
         "vllm-project/aibrix#1772 (../shared/reference/vllm_pd.md §3)"),
     Signature(
         "sglang.bootstrap_timeout", "error",

@@ -58,17 +58,22 @@ class Timeline:
         names = {r.event for r in self.records}
         if "router" in services:
             hops.append("router")
-        if "prefill" in services or "engine" in services or events.ROUTER_PREFILL_DONE in names:
+        if "prefill" in services or "engine" in services or names & {events.ROUTER_PREFILL_DONE, events.ROUTER_PREFILL_FINISHED}:
             hops.append("prefill")
-        if names & _KV_DONE:
-            hops.append("kv")
-        if "decode" in services or "engine" in services or events.ROUTER_DECODE_FIRST_TOKEN in names:
-            hops.append("decode")
         status = self.status
         # A failed leg that the router retried elsewhere still ends well; a cut stream does not.
         cut = any(r[events.MID_STREAM] is True for r in self.events(events.ROUTER_DECODE_FAILED))
         done = self.first(events.ROUTER_REQUEST_DONE)
-        if status is not None and status < 400 and not cut and not (done is not None and done[events.ERROR]):
+        answered = status is not None and status < 400 and not cut and not (done is not None and done[events.ERROR])
+        # vLLM engines log no per-request lines: a NIXL hand-off (vLLM's params name remote_engine_id) that the router
+        # saw answered went through KV and decode (vLLM's own proof is global: its "KV Transfer metrics" lines).
+        vllm_handoff = answered and any("remote_engine_id" in (r[events.KV_TRANSFER_PARAMS] or ())
+                                        for r in self.events(events.ROUTER_KV_HANDOFF))
+        if names & _KV_DONE or vllm_handoff:
+            hops.append("kv")
+        if "decode" in services or "engine" in services or events.ROUTER_DECODE_FIRST_TOKEN in names or vllm_handoff:
+            hops.append("decode")
+        if answered:
             hops.append("done")
         return tuple(hops)
 
@@ -76,7 +81,10 @@ class Timeline:
     def complete(self) -> bool:
         """Went all the way: router → prefill → KV → decode → answered (no KV hop when colocated)."""
         reached = self.reached
-        needed = ("router", "prefill", "decode", "done") if self.colocated else HOPS
+        if self.first(events.ROUTER_PREFILL_FINISHED) is not None:  # the prefill's one token ended it: no decode leg
+            needed: tuple[str, ...] = ("router", "prefill", "done")
+        else:
+            needed = ("router", "prefill", "decode", "done") if self.colocated else HOPS
         return all(h in reached for h in needed)
 
     @cached_property

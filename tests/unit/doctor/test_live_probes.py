@@ -92,3 +92,35 @@ def test_verify_on_vllm_requires_vllm_kv_transfer_metrics(monkeypatch, tmp_path)
                                       "but no KVConnector found. Disabling KVTransfer for this request."])
     found = live._verify_vllm(stack, env, datetime.now(timezone.utc), "r1", "200", timeline, wait_s=0)
     assert [f.id for f in found] == ["verify.no_vllm_kv_proof", "vllm.no_kv_connector"]
+
+
+def test_verify_on_a_recorded_vllm_pd_stack_proves_kv_from_vllms_own_line(monkeypatch, tmp_path):
+    """`verify` end to end over what a real vLLM 0.32 PD stack logged (bundles/vllm_pd_healthy, the streamed request
+    renamed to verify's id): the router's timeline alone would look complete; the proof is decode's KV Transfer
+    metrics line, and the finding shows it."""
+    import argparse
+    import uuid
+    from pathlib import Path
+
+    from doctor import sources
+
+    bundle = Path(__file__).parent / "bundles" / "vllm_pd_healthy"
+    rid_hex = "0123456789ab0123456789ab01234567"
+    monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID(rid_hex))
+    recorded = "be2f75a832554748811a585b2a81807b"  # the streamed request of the recorded run
+
+    def load(project, since):
+        loaded = sources.Loaded()
+        for service in ("router", "prefill", "decode"):
+            text = (bundle / f"{service}.log").read_text().replace(recorded, f"doctor-verify-{rid_hex[:12]}")
+            loaded.add(text.splitlines(), f"docker:pd/{service}", service)
+        loaded.docker = {"project": project, "services": {"router": "running", "prefill": "running", "decode": "running"}}
+        return loaded
+
+    monkeypatch.setattr(sources, "load_docker", load)
+    monkeypatch.setattr(live, "send_stream", lambda url, model, rid, timeout: (True, "200, 6 chunks, [DONE]"))
+    args = argparse.Namespace(project="pd", router_url="http://127.0.0.1:1", home=tmp_path, model="your-model-id", timeout=5)
+    found, summary = live.verify(args, stack=type("S", (), {"project": "pd"})(), url="http://127.0.0.1:1")
+    assert found[0].id == "verify" and found[0].severity == "ok", [(f.id, f.title) for f in found]
+    assert "vLLM reports successful KV transfers" in found[0].title
+    assert any("KV Transfer metrics: Num successful transfers=" in e.line and e.service == "decode" for e in found[0].evidence)

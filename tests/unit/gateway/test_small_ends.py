@@ -7,8 +7,12 @@ import json
 import openai
 import pytest
 
+from aiohttp.test_utils import TestClient, TestServer
+
+from stack.router import config as router_config
+from stack.router.app import create_app
 from tests.unit.gateway.backend import BACKEND_MODEL
-from tests.unit.gateway.conftest import ALL_FLAGS, KEY, MODEL
+from tests.unit.gateway.conftest import ALL_FLAGS, KEY, KEY_ENV, MODEL, settings_text
 
 
 @pytest.fixture
@@ -33,6 +37,21 @@ async def test_tokenize_and_detokenize_are_forwarded_and_authenticated(gw) -> No
     assert anonymous.status == 401 and "error" in await anonymous.json()
     unknown = await gw.router.post("/tokenize", json={"model": "nope", "prompt": "x"}, headers=auth())
     assert unknown.status == 404 and (await unknown.json())["error"]["code"] == "model_not_found"
+
+
+async def test_public_tokenizer_answers_without_a_key_and_nothing_else_does(gw, tmp_path) -> None:
+    """[server] public_tokenizer: `vllm bench serve` aligns prompts through /tokenize and /detokenize without a key
+    (vllm/benchmarks/serve.py _align_prompts_to_server_tokenizer); generation still needs one."""
+    path = tmp_path / "public.toml"
+    path.write_text(settings_text(tmp_path, gw.backend.url, gw.backend.url).replace("port = 0\n", "port = 0\npublic_tokenizer = true\n", 1))
+    app = create_app(router_config.load(path, env={}), env={KEY_ENV: KEY})
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        tokenized = await client.post("/tokenize", json={"model": MODEL, "prompt": "hello", "add_special_tokens": False})
+        assert tokenized.status == 200 and (await tokenized.json())["count"] == 36
+        back = await client.post("/detokenize", json={"model": MODEL, "tokens": [1, 2]})
+        assert back.status == 200 and (await back.json()) == {"prompt": "t1 t2"}
+        chat = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status == 401
 
 
 async def test_model_card_by_id(gw) -> None:

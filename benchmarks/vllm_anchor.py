@@ -1,0 +1,182 @@
+"""The engine anchor (not a test): the numpy engine and vLLM-CPU serving the SAME checkpoint, measured in one run.
+
+    flock /work/wt/_brief/bench.lock python -m benchmarks.vllm_anchor [--layers 8 --hidden 512 ...] [--repeat 3]
+
+One checkpoint (stack/engine/tiny_llama.py, the shape of dummy:small by default) is served in turn by
+`python -m stack.engine` (role both) and by `vllm serve` from scripts/vllm-cpu.sh's venv (float32, so both do the
+same arithmetic; prefix caching off, so a repeated prompt is not free), one server at a time so they never compete
+for the cores. Through each server's own OpenAI API:
+- prefill: tokens/s of an ~800-token prompt (a fresh prompt each time, max_tokens 1, non-streamed; best of --repeat);
+- decode: tokens/s at batch 1, 8 and 32 (that many concurrent streams, ignore_eos): tokens emitted while every
+  stream is past its first token and none has finished, over that window (the batch's steady state).
+Prints each figure and the ratio vLLM / numpy engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from tokenizers import Tokenizer
+
+from stack.engine import tiny_llama
+
+REPO = Path(__file__).resolve().parents[1]
+BATCHES = (1, 8, 32)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prompt_of(tokenizer: Tokenizer, n: int, seed: int) -> str:
+    """Text of about `n` tokens: random corpus words (fresh per seed, so no prefix cache can serve it)."""
+    words = " ".join(tiny_llama.CORPUS).split()
+    rng = np.random.default_rng(seed)
+    text = " ".join(rng.choice(words, n))
+    return tokenizer.decode(tokenizer.encode(text).ids[1 : n + 1])  # without <s>: the server adds it
+
+
+class Server:
+    def __init__(self, name: str, args: list[str], url: str, env: dict[str, str], log: Path) -> None:
+        self.name, self.url = name, url
+        self.process = subprocess.Popen(args, env={**os.environ, **env}, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                        start_new_session=True, cwd=REPO)
+
+    async def ready(self, session: aiohttp.ClientSession, bound_s: float = 900) -> None:
+        deadline = time.monotonic() + bound_s
+        while True:
+            assert self.process.poll() is None, f"{self.name} exited"
+            try:
+                async with session.get(self.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 200:
+                        self.model = (await r.json())["data"][0]["id"]
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                pass
+            assert time.monotonic() < deadline, f"{self.name} not ready in {bound_s:g} s"
+            await asyncio.sleep(1)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+
+
+async def prefill_rate(session: aiohttp.ClientSession, server: Server, prompts: list[str]) -> tuple[float, int]:
+    """Best tokens/s of a max_tokens-1 completion over `prompts` (each used once), and its prompt length."""
+    best, tokens = 0.0, 0
+    for prompt in prompts:
+        started = time.perf_counter()
+        async with session.post(server.url + "/v1/completions", json={"model": server.model, "prompt": prompt, "max_tokens": 1,
+                                                                     "temperature": 0}) as r:
+            answer = await r.json()
+            assert r.status == 200, answer
+        elapsed = time.perf_counter() - started
+        tokens = answer["usage"]["prompt_tokens"]
+        best = max(best, tokens / elapsed)
+    return best, tokens
+
+
+async def decode_rate(session: aiohttp.ClientSession, server: Server, batch: int, prompts: list[str], max_tokens: int) -> float:
+    """Tokens/s while all `batch` streams decode together (see the module docstring)."""
+
+    async def one(prompt: str) -> list[float]:
+        stamps = []
+        body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        async with session.post(server.url + "/v1/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            async for line in r.content:
+                if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices") and chunk["choices"][0].get("text"):
+                        stamps.append(time.perf_counter())
+        return stamps
+
+    streams = await asyncio.gather(*(one(p) for p in prompts[:batch]))
+    start, end = max(s[0] for s in streams), min(s[-1] for s in streams)
+    inside = sum(1 for s in streams for t in s if start < t <= end)
+    return inside / (end - start) if end > start else float("nan")
+
+
+async def measure(server: Server, tokenizer: Tokenizer, repeat: int, seed: int, max_tokens: int) -> dict[str, float]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+        await server.ready(session)
+        await prefill_rate(session, server, [prompt_of(tokenizer, 64, seed)])  # warm-up
+        figures: dict[str, float] = {}
+        figures["prefill"], figures["prompt_tokens"] = await prefill_rate(
+            session, server, [prompt_of(tokenizer, 800, seed + i) for i in range(repeat)])
+        for batch in BATCHES:
+            prompts = [prompt_of(tokenizer, 32, seed + 100 * batch + i) for i in range(batch)]
+            figures[f"decode_b{batch}"] = await decode_rate(session, server, batch, prompts, max_tokens)
+        return figures
+
+
+def vllm_venv() -> Path:
+    done = subprocess.run([str(REPO / "scripts/vllm-cpu.sh"), "venv"], capture_output=True, text=True, check=True)
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for flag, default in (("layers", 8), ("hidden", 512), ("heads", 8), ("kv-heads", 4), ("ffn", 1536), ("repeat", 3),
+                          ("max-tokens", 48), ("seed", 0)):
+        ap.add_argument(f"--{flag}", type=int, default=default)
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="vllm-anchor-"))
+    ckpt = work / "checkpoint"
+    config = tiny_llama.write(ckpt, a.layers, a.hidden, a.heads, a.kv_heads, a.ffn, max_len=4096)
+    tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    venv = vllm_venv()
+    print(f"checkpoint {ckpt}: {config.n_layers} layers, hidden {config.dim}, heads {config.n_heads}/{config.n_kv_heads}, "
+          f"vocab {config.vocab_size}; cores {os.cpu_count()}; logs in {work}")
+    port = free_port()
+    engine_config = work / "engine.json"
+    engine_config.write_text(json.dumps({"model": "anchor", "role": "both", "checkpoint": str(ckpt),
+                                         "max_num_batched_tokens": 2048, "kv_transfer_config": {"kv_port": 0}}))
+    servers = {
+        "numpy engine": lambda: Server("numpy engine", [sys.executable, "-m", "stack.engine", "--config", str(engine_config),
+                                                        "--host", "127.0.0.1", "--port", str(port), "--health-port",
+                                                        str(free_port())], f"http://127.0.0.1:{port}", {}, work / "engine.log"),
+        "vLLM CPU": lambda: Server("vLLM CPU", [str(venv / "bin/vllm"), "serve", str(ckpt), "--host", "127.0.0.1", "--port",
+                                                str(port), "--served-model-name", "anchor", "--dtype", "float32",
+                                                "--max-model-len", "4096", "--max-num-seqs", "32", "--enforce-eager",
+                                                "--no-enable-prefix-caching"],
+                                   f"http://127.0.0.1:{port}", {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
+                                                                "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"},
+                                   work / "vllm.log"),
+    }
+    results: dict[str, dict[str, float]] = {}
+    for name, start in servers.items():
+        server = start()
+        try:
+            results[name] = asyncio.run(measure(server, tokenizer, a.repeat, a.seed, a.max_tokens))
+        finally:
+            server.stop()
+    ours, theirs = results["numpy engine"], results["vLLM CPU"]
+    print(f"\n  {'figure':<34} {'numpy engine':>14} {'vLLM CPU':>14} {'vLLM / numpy':>14}")
+    rows = [(f"prefill tok/s ({int(ours['prompt_tokens'])}-token prompt)", "prefill")] + \
+           [(f"decode tok/s at batch {b}", f"decode_b{b}") for b in BATCHES]
+    for label, key in rows:
+        print(f"  {label:<34} {ours[key]:>14.1f} {theirs[key]:>14.1f} {theirs[key] / ours[key]:>14.2f}")
+
+
+if __name__ == "__main__":
+    main()
