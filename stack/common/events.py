@@ -366,6 +366,17 @@ ROUTER_UNSUPPORTED = Event("router.unsupported_parameter", ROUTER,
                            "400: the request asks for what the backends cannot do (their declared capabilities)",
                            required=(API, PARAM, CAPABILITIES), level="WARNING")
 
+# -- replica discovery (issue 14: stack/router/replicas.py) -----------------------------------------
+DISCOVER = Field("discover", str, "dns://prefill:8000", "a pool's discover setting: the name its replicas are found under")
+REPLICAS = Field("replicas", int, 2, "addresses the discover name has now")
+IN_FLIGHT_REQUESTS = Field("in_flight_requests", int, 1, "requests still running on a backend that left its pool")
+DISCOVERY_JOINED = Event("discovery.joined", ROUTER, "a replica appeared under its pool's discover name; it takes requests once healthy",
+                         required=(ROLE, BACKEND, DISCOVER, REPLICAS))
+DISCOVERY_LEFT = Event("discovery.left", ROUTER, "a replica vanished from its discover name; it gets no new request, those in flight finish",
+                       required=(ROLE, BACKEND, DISCOVER, REPLICAS, IN_FLIGHT_REQUESTS))
+DISCOVERY_FAILED = Event("discovery.failed", ROUTER, "a discover name could not be resolved; the pool stays as it was (once per streak)",
+                         required=(ROLE, DISCOVER, ERROR), level="WARNING")
+
 ALL: Mapping[str, Event] = {value: value for value in dict(globals()).values() if isinstance(value, Event)}
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from aiohttp.abc import AbstractResolver
 
 from stack.common import events
 from stack.common.errors import REQUEST_ID_HEADER, UpstreamError, UpstreamTimeout
@@ -36,6 +37,7 @@ from stack.router.discovery import KVDiscovery, kv_hints
 from stack.router.handoff import Route, handoff_for
 from stack.router.metrics import Metrics
 from stack.router.monitor import HealthMonitor
+from stack.router.replicas import ReplicaWatcher
 from stack.router.upstream import EngineError, LegFailed, exception_failure, open_stream, post_json, status_failure, timeout
 from stack.router.scheduler import NoBackendAvailable, Scheduler, worst_case_s
 
@@ -145,8 +147,9 @@ class PDClient:
     """Runs client requests over the prefill and decode pools (see the module docstring)."""
 
     def __init__(self, config: RouterConfig, session: aiohttp.ClientSession, metrics: Metrics,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """`clock` times the backends' circuit breakers (tests pass a fake one)."""
+                 clock: Callable[[], float] = time.monotonic, resolver: AbstractResolver | None = None) -> None:
+        """`clock` times the backends' circuit breakers (tests pass a fake one); `resolver` finds discover pools'
+        replicas (default aiohttp's)."""
         self.settings = s = config.scheduler
         registry = s.kv_connector == "p2pnccl"  # the pools start empty and fill as vLLM P2pNccl instances register
         self.handoff = handoff_for(s.kv_connector, colocated=not registry and is_colocated(config.prefill, config.decode))
@@ -162,6 +165,12 @@ class PDClient:
         kv = (KVDiscovery(session, kv_hints(config.decode, config.kv_transfer_port, config.source), timeout(s.connect_timeout_ms, 5000))
               if self.handoff.discovers_kv_addr else None)
         self.monitor = HealthMonitor(config, self.scheduler, session, metrics, kv, clock)
+        # Discover pools (replicas.py): the members are whatever their DNS name resolves to, health-gated by the monitor.
+        roles = [(config.decode, "decode" if self.handoff.prefill_leg else "both")]
+        roles += [(config.prefill, "prefill")] if self.handoff.prefill_leg else []
+        self.watchers = [ReplicaWatcher(pool, role, self.scheduler, (threshold, cooldown), self.monitor.leave, resolver, clock)
+                         for pool, role in roles if pool.discover and not registry]
+        self._sources = {"decode": config.decode.discover or "static", "prefill": config.prefill.discover or "static"}
         self._timeouts = {
             "prefill": timeout(s.connect_timeout_ms, s.prefill_timeout_ms),
             "decode_json": timeout(s.connect_timeout_ms, s.decode_timeout_ms),
@@ -171,9 +180,14 @@ class PDClient:
         self._first_chunk_s = (s.kv_transfer_timeout_ms + s.first_token_timeout_ms) / 1000
 
     async def start(self) -> None:
+        """The discover pools' first members, then the monitor's first round over them (real states), then both loops."""
+        await asyncio.gather(*(watcher.refresh() for watcher in self.watchers))
         await self.monitor.start()
+        for watcher in self.watchers:
+            watcher.start()
 
     async def close(self) -> None:
+        await asyncio.gather(*(watcher.close() for watcher in self.watchers))
         await self.monitor.close()
 
     @property
@@ -183,7 +197,14 @@ class PDClient:
 
     def health_snapshot(self) -> dict[str, Any]:
         return {"mode": self.mode, "kv_connector": self.handoff.kind, "policy": self.settings.policy,
-                "queue_depth": self.scheduler.queue_depth, "worst_case_s": worst_case_s(self.settings), "backends": [b.snapshot() for b in self.scheduler.backends]}
+                "queue_depth": self.scheduler.queue_depth, "worst_case_s": worst_case_s(self.settings), "pools": self.pools(),
+                "backends": [b.snapshot() for b in self.scheduler.backends]}
+
+    def pools(self) -> dict[str, dict[str, Any]]:
+        """Per role: where its members come from (a discover name, or "static"), how many there are and how many are up."""
+        roles = ("prefill", "decode") if self.handoff.prefill_leg else ("decode",)
+        return {role: {"source": self._sources[role], "backends": len(pool), "up": sum(b.usable for b in pool)}
+                for role in roles for pool in (self.scheduler.pool(role),)}
 
     async def count_tokens(self, request_id: str, prompt: dict[str, Any]) -> int | None:
         """The engines' token count for `prompt` ({"messages": …} or {"prompt": …}) from vLLM's POST /tokenize on a
