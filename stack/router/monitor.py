@@ -189,7 +189,7 @@ class HealthMonitor:
     @property
     def vllm_fields(self) -> bool:
         """Whether vLLM's own request fields may pass: every pool a request may reach is declared vLLM."""
-        return self.config.decode.is_vllm and (self.config.prefill.is_vllm or not self.config.prefill.urls)
+        return self.config.decode.is_vllm and (self.config.prefill.is_vllm or not (self.config.prefill.urls or self.config.prefill.discover))
 
     async def _learn_capabilities(self, backend: Backend) -> None:
         """Ask `backend`'s GET /health for its `capabilities` (pools set in settings.toml are not asked)."""
