@@ -377,6 +377,10 @@ DISCOVERY_LEFT = Event("discovery.left", ROUTER, "a replica vanished from its di
 DISCOVERY_FAILED = Event("discovery.failed", ROUTER, "a discover name could not be resolved; the pool stays as it was (once per streak)",
                          required=(ROLE, DISCOVER, ERROR), level="WARNING")
 
+ROUTER_VERSION_SPLIT = Event("router.model_version_split", ROUTER,
+                             "no usable prefill runs this decode's model (a rolling update): decode serves the request alone",
+                             required=(DECODE_URL, FINGERPRINT), level="WARNING")
+
 ALL: Mapping[str, Event] = {value: value for value in dict(globals()).values() if isinstance(value, Event)}
 
 

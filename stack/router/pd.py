@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -201,9 +202,12 @@ class PDClient:
                 "backends": [b.snapshot() for b in self.scheduler.backends]}
 
     def pools(self) -> dict[str, dict[str, Any]]:
-        """Per role: where its members come from (a discover name, or "static"), how many there are and how many are up."""
+        """Per role: where its members come from (a discover name, or "static"), how many there are, how many are up, and
+        how many report each model fingerprint (one during normal operation; two while a model update rolls)."""
         roles = ("prefill", "decode") if self.handoff.prefill_leg else ("decode",)
-        return {role: {"source": self._sources[role], "backends": len(pool), "up": sum(b.usable for b in pool)}
+        fingerprints = self.monitor.fingerprints
+        return {role: {"source": self._sources[role], "backends": len(pool), "up": sum(b.usable for b in pool),
+                       "models": dict(Counter(fingerprints[b.url] for b in pool if b.url in fingerprints))}
                 for role in roles for pool in (self.scheduler.pool(role),)}
 
     async def count_tokens(self, request_id: str, prompt: dict[str, Any]) -> int | None:
@@ -271,8 +275,15 @@ class PDClient:
                     raise last_failure.error from None
                 raise
             try:
-                if self.handoff.prefill_leg:
-                    route, kv_params = await self._prefill(job, decode, attempt)
+                other_versions = self._other_versions(decode) if self.handoff.prefill_leg else set()
+                if self.handoff.prefill_leg and not self._version_split(decode, other_versions):
+                    route, kv_params = await self._prefill(job, decode, attempt, other_versions)
+                elif self.handoff.prefill_leg:
+                    # A rolling model update is under way and no prefill runs this decode's model yet: decode computes
+                    # the prompt itself (one ordinary request, as colocated), never KV from another model version.
+                    route, kv_params = Route(job.request_id, "", None), None
+                    log_event(events.ROUTER_VERSION_SPLIT, f"no prefill runs the model of decode {decode.url}; it serves the request alone",
+                              "WARNING", request_id=job.request_id, decode=decode.url, fingerprint=self.monitor.fingerprints.get(decode.url))
                 else:
                     route, kv_params = self.handoff.route(job.request_id, decode, decode), None
                     log_event(events.ROUTER_SCHEDULED, f"colocated on {decode.url}", request_id=job.request_id, prefill=decode.url,
@@ -292,9 +303,21 @@ class PDClient:
         assert last_failure is not None, "retry loop ended without a failure"
         raise last_failure.error
 
-    async def _prefill(self, job: _Job, decode: Backend, attempt: int) -> tuple[Route, dict[str, Any] | None]:
-        """2. The prefill leg, retried on other prefills; the route both legs follow and what decode gets."""
-        tried: set[Backend] = set()
+    def _other_versions(self, decode: Backend) -> set[Backend]:
+        """Prefills whose model fingerprint differs from `decode`'s (both known): their KV would not fit it."""
+        own = self.monitor.fingerprints.get(decode.url)
+        return {p for p in self.scheduler.pool("prefill")
+                if own and (theirs := self.monitor.fingerprints.get(p.url)) and theirs != own}
+
+    def _version_split(self, decode: Backend, other_versions: set[Backend]) -> bool:
+        """Usable prefills exist, but every one runs another model version than `decode`."""
+        usable = [p for p in self.scheduler.pool("prefill") if p.usable]
+        return bool(usable) and all(p in other_versions for p in usable)
+
+    async def _prefill(self, job: _Job, decode: Backend, attempt: int, other_versions: set[Backend]) -> tuple[Route, dict[str, Any] | None]:
+        """2. The prefill leg, retried on other prefills (never one of another model version than decode); the route both
+        legs follow and what decode gets."""
+        tried: set[Backend] = set(other_versions)
         last_failure: LegFailed | None = None
         for tries in range(1, self.settings.max_retries + 2):
             try:

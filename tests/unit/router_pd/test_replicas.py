@@ -103,9 +103,10 @@ async def test_replicas_join_once_healthy_and_leave_while_their_requests_finish(
     try:
         assert [b.url for b in client.scheduler.pool("prefill")] == [p1.url]
         assert backend(client, d1.url).kv_addr == f"127.0.0.1:{d1.kv_port}"
-        assert client.health_snapshot()["pools"] == {
-            "prefill": {"source": "dns://prefill.test:%d" % p_ports[0], "backends": 1, "up": 1},
-            "decode": {"source": "dns://decode.test:%d" % d_ports[0], "backends": 1, "up": 1}}
+        pools = client.health_snapshot()["pools"]
+        assert {role: (p["source"], p["backends"], p["up"]) for role, p in pools.items()} == {
+            "prefill": (f"dns://prefill.test:{p_ports[0]}", 1, 1), "decode": (f"dns://decode.test:{d_ports[0]}", 1, 1)}
+        assert pools["prefill"]["models"] == pools["decode"]["models"] == {client.monitor.fingerprints[d1.url]: 1}
         await complete(client, "before")
 
         answers.records["prefill.test"] = ["127.0.0.2", "127.0.0.3"]  # p2's address is there, its engine is not
