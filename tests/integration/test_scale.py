@@ -79,10 +79,10 @@ def test_scale_prefill_then_decode_live_without_a_failed_request(stack: Stack) -
 
     def scale() -> None:
         for name, counts in (("2P1D", ("prefill=2", "decode=1")), ("1P2D", ("prefill=1", "decode=2"))):
-            began = len(load.results)
+            began, t0 = len(load.results), time.monotonic()
             result = pd(stack, "scale", *counts)
             assert result.returncode == 0, f"./pd scale {' '.join(counts)} failed:\n{result.stderr[-3000:]}"
-            steps[name] = {"output": result.stdout, "pools": router_health(stack)["pools"],
+            steps[name] = {"output": result.stdout, "pools": router_health(stack)["pools"], "took_s": time.monotonic() - t0,
                            "prefill": replicas(stack, "prefill"), "decode": replicas(stack, "decode")}
             # Traffic through the new shape before the next change (the load keeps running meanwhile).
             deadline = time.monotonic() + 60
@@ -121,7 +121,8 @@ def test_scale_prefill_then_decode_live_without_a_failed_request(stack: Stack) -
                              "--no-color"], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert "router pools: prefill 1 of 1 up (dns://prefill:8000); decode 2 of 2 up (dns://decode:8000)" in doctor.stdout, doctor.stdout
     assert "decode-2: healthy" in doctor.stdout, doctor.stdout
-    print(f"\nscale: {json.dumps(dict(load.counts()))}, worst {load.worst_s():.1f} s")
+    print(f"\nscale: {json.dumps(dict(load.counts()))}, worst {load.worst_s():.1f} s; "
+          + ", ".join(f"./pd scale to {name} {step['took_s']:.0f} s" for name, step in steps.items()))
 
 
 def test_scale_refuses_what_it_cannot_do(stack: Stack) -> None:
