@@ -99,7 +99,7 @@ def test_scale_prefill_then_decode_live_without_a_failed_request(stack: Stack) -
     two_prefills = steps["2P1D"]
     assert shape(two_prefills["pools"]["prefill"]) == ("dns://prefill:8000", 2, 2)
     assert two_prefills["pools"]["decode"]["backends"] == 1
-    assert "prefill: 2 of 2 up (dns://prefill:8000)" in two_prefills["output"]
+    assert "prefill: 2 of 2 up (dns://prefill:8000; model 2x " in two_prefills["output"]
     assert two_prefills["served"][1] > 0, "the second prefill replica never got a request"
 
     two_decodes = steps["1P2D"]
