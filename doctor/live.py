@@ -228,6 +228,14 @@ def probe_pools(url: str) -> list[Finding]:
         return [problem("router.pools", "error", f"router pools: {text}",
                         f"No {' and no '.join(empty)} replica is up: requests get 503 no_{empty[0]}_backend.",
                         "./pd ps; ./pd scale prefill=N decode=M; ./pd logs router | grep -E 'backend.health|discovery'")]
+    models = {m for p in pools.values() for m in (p.get("models") or {})}
+    if len(models) > 1:
+        return [problem("router.pools", "warning", f"router pools: {text}; {len(models)} model versions",
+                        f"The engines run different models ({', '.join(sorted(models))}): the router pairs only engines of "
+                        "one model, so some requests run on decode alone. Expected during ./pd swarm update; otherwise "
+                        "prefill and decode load different checkpoints or seeds.",
+                        "give prefill/config.json and decode/config.json (and PD_CHECKPOINT / PD_SEED) the same model, "
+                        "then ./pd up (or let the rolling update finish)")]
     down = [role for role, p in pools.items() if p.get("up") != p.get("backends")]
     if down:
         return [problem("router.pools", "warning", f"router pools: {text}",

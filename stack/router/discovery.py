@@ -56,10 +56,13 @@ def _reported_host(body: dict) -> str | None:
 class KVDiscovery:
     """Learns decodes' KV addresses from their GET /health (see the module docstring)."""
 
-    def __init__(self, session: aiohttp.ClientSession, hints: dict[str, KVHint], client_timeout: aiohttp.ClientTimeout) -> None:
+    def __init__(self, session: aiohttp.ClientSession, hints: dict[str, KVHint], client_timeout: aiohttp.ClientTimeout,
+                 kv_transfer_port: int = 0) -> None:
+        """`hints`: the configured decodes'; a discovered one's port is checked against `kv_transfer_port` (0: none)."""
         self._session = session
         self._hints = hints
         self._timeout = client_timeout
+        self._discovered_claims = ((kv_transfer_port, "KV_TRANSFER_PORT"),) if kv_transfer_port else ()
 
     async def learn(self, decode: Backend) -> str:
         """Ask `decode` for its KV port and set `decode.kv_addr`; KVAddressUnknown if it cannot say."""
@@ -75,7 +78,7 @@ class KVDiscovery:
         # A configured decode: the host the router was given. A discovered replica (replicas.py): the host it reports
         # (`kv_host`: its hostname, which Docker's DNS resolves on every network the container joins, so prefill
         # reaches it on the KV network; or KV_ADVERTISE_HOST), else the address it was discovered at.
-        hint = self._hints.get(decode.url) or KVHint(_reported_host(body) or url_host(decode.url))
+        hint = self._hints.get(decode.url) or KVHint(_reported_host(body) or url_host(decode.url), self._discovered_claims)
         addr = f"{hint.host}:{port}"
         for claimed, given_by in hint.claims:
             if claimed != port:

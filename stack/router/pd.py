@@ -163,8 +163,8 @@ class PDClient:
         self.scheduler = Scheduler(s, pools)
         self.session = session
         self.metrics = metrics
-        kv = (KVDiscovery(session, kv_hints(config.decode, config.kv_transfer_port, config.source), timeout(s.connect_timeout_ms, 5000))
-              if self.handoff.discovers_kv_addr else None)
+        kv = (KVDiscovery(session, kv_hints(config.decode, config.kv_transfer_port, config.source), timeout(s.connect_timeout_ms, 5000),
+                          config.kv_transfer_port) if self.handoff.discovers_kv_addr else None)
         self.monitor = HealthMonitor(config, self.scheduler, session, metrics, kv, clock)
         # Discover pools (replicas.py): the members are whatever their DNS name resolves to, health-gated by the monitor.
         roles = [(config.decode, "decode" if self.handoff.prefill_leg else "both")]

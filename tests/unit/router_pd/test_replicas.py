@@ -227,3 +227,24 @@ def test_the_environment_picks_fixed_endpoints_or_a_discover_name(tmp_path: Path
     with pytest.raises(ConfigError) as raised:
         router_config.load(path, env={"PREFILL_ENDPOINT": "http://p:8000", "PREFILL_DISCOVER": "dns://prefill:8000"})
     assert (raised.value.file, raised.value.key) == ("environment", "PREFILL_DISCOVER")
+
+
+async def test_a_discovered_decode_is_checked_against_kv_transfer_port(fake, session, logs):
+    """KV_TRANSFER_PORT given to the router and a discovered decode reporting another port: the reported one is used
+    and the disagreement is one ERROR naming both, as for a configured decode (discovery.py)."""
+    prefill, decode = await fake("prefill"), await fake("decode", kv_port=7123)
+    answers = Answers()
+    answers.records = {"decode.test": ["127.0.0.1"]}
+    pool = PoolConfig(discover=f"dns://decode.test:{decode.url.rsplit(':', 1)[1]}",
+                      discover_health_port=int(decode.health_addr.rsplit(":", 1)[1]), discover_interval_ms=60_000)
+    config = RouterConfig(prefill=PoolConfig(endpoint=prefill.url, health_addrs=(prefill.health_addr,)), decode=pool,
+                          scheduler=SchedulerConfig(health_interval_ms=200), kv_transfer_port=9400)
+    client = PDClient(config, session, Metrics(), resolver=answers)
+    await client.start()
+    try:
+        await wait_for_state(client, decode.url, "up")
+        assert backend(client, decode.url).kv_addr == "127.0.0.1:7123"  # the fake reports no kv_host: its address
+        [mismatch] = logs.events(events.ROUTER_KV_PORT_MISMATCH)
+        assert (mismatch["configured_port"], mismatch["configured_by"], mismatch["reported_port"]) == (9400, "KV_TRANSFER_PORT", 7123)
+    finally:
+        await client.close()
