@@ -65,6 +65,9 @@ class HealthMonitor:
             "pd_router_backend_outstanding_tokens": "Prompt + max tokens the router has outstanding on the backend.",
             "pd_router_backend_circuit": "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
             "pd_router_queue_depth": "Requests waiting for a backend slot.",
+            # Per role, so that a pool whose replicas are gone (discover pools drop them: replicas.py) still has a series.
+            "pd_router_pool_backends": "Backends in the role's pool (a discover pool: the replicas its DNS name has now).",
+            "pd_router_pool_up": "Backends of the role that take requests now (up, circuit not open).",
         }, self._gauges)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -252,3 +255,7 @@ class HealthMonitor:
             yield "pd_router_backend_outstanding_tokens", labels, float(b.outstanding_tokens)
             yield "pd_router_backend_circuit", labels, float(_BREAKER_STATE[b.breaker.state])
         yield "pd_router_queue_depth", {}, float(self.scheduler.queue_depth)
+        for role in self.scheduler.roles:
+            pool = self.scheduler.pool(role)
+            yield "pd_router_pool_backends", {"role": role}, float(len(pool))
+            yield "pd_router_pool_up", {"role": role}, float(sum(b.usable for b in pool))

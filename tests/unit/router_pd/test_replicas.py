@@ -163,6 +163,8 @@ async def test_the_real_resolver_finds_replicas_and_an_unknown_name_is_an_empty_
     client = await start_client(session, discover_pool("localhost", p_ports), discover_pool("no-such-replica.invalid", d_ports), None)
     try:
         assert client.scheduler.pool("decode") == ()
+        body, _ = client.metrics.render()  # the pool's series stays when its replicas are gone (PDPoolEmpty reads it)
+        assert 'pd_router_pool_up{role="decode"} 0' in body and 'pd_router_pool_backends{role="decode"} 0' in body
         with pytest.raises(NoBackendAvailable) as raised:
             await complete(client, "nobody")
         assert raised.value.code == "no_decode_backend" and raised.value.headers["Retry-After"]
