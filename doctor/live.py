@@ -1,8 +1,8 @@
 """Live probes: `python -m doctor check` and `python -m doctor verify`.
 
 check  — docker and compose versions (compose v1 / a missing plugin is the "unknown flag: --wait"
-         trap), each container's state and health, the key present and clean (never printed), the
-         router reachable from the host, proxy variables and client configs (the diagnoses that need no
+         trap), each container's state and health (every replica of a scaled service), the key present and
+         clean (never printed), the router reachable from the host and its pools (replicas up per role), proxy variables and client configs (the diagnoses that need no
          logs), each engine's gRPC health, the KV port reachable from prefill to decode, and one streamed
          request end to end (verify).
 verify — sends one streamed request through the router with its own X-Request-ID and proves from the
@@ -213,6 +213,38 @@ def probe_router(url: str) -> tuple[list[Finding], str | None]:
     return [ok("router.reachable", f"router answers at {url} ({len(models)} model(s))")], model
 
 
+def probe_pools(url: str) -> list[Finding]:
+    """The router's pools from its GET /health (open, no key): how many replicas each role has and how many are up."""
+    try:
+        with _request(f"{url}/health", None) as response:
+            pools = json.loads(response.read()).get("pools") or {}
+    except (urllib.error.URLError, OSError, ValueError):
+        return []  # router.reachable already says why
+    if not isinstance(pools, dict) or not pools:
+        return []
+    text = "; ".join(f"{role} {p.get('up')} of {p.get('backends')} up ({p.get('source')})" for role, p in pools.items())
+    empty = [role for role, p in pools.items() if not p.get("up")]
+    if empty:
+        return [problem("router.pools", "error", f"router pools: {text}",
+                        f"No {' and no '.join(empty)} replica is up: requests get 503 no_{empty[0]}_backend.",
+                        "./pd ps; ./pd scale prefill=N decode=M; ./pd logs router | grep -E 'backend.health|discovery'")]
+    models = {m for p in pools.values() for m in (p.get("models") or {})}
+    if len(models) > 1:
+        return [problem("router.pools", "warning", f"router pools: {text}; {len(models)} model versions",
+                        f"The engines run different models ({', '.join(sorted(models))}): the router pairs only engines of "
+                        "one model, so some requests run on decode alone. Expected during ./pd swarm update; otherwise "
+                        "prefill and decode load different checkpoints or seeds.",
+                        "give prefill/config.json and decode/config.json (and PD_CHECKPOINT / PD_SEED) the same model, "
+                        "then ./pd up (or let the rolling update finish)")]
+    down = [role for role, p in pools.items() if p.get("up") != p.get("backends")]
+    if down:
+        return [problem("router.pools", "warning", f"router pools: {text}",
+                        f"Some {', '.join(down)} replicas are not up (still warming up, or failing health probes); "
+                        "the router sends them nothing until they are.",
+                        "./pd ps; ./pd logs router | grep backend.health")]
+    return [ok("router.pools", f"router pools: {text}")]
+
+
 def probe_engines(stack: Stack) -> list[Finding]:
     found: list[Finding] = []
     for service in ("prefill", "decode", "engine", "router"):
@@ -269,7 +301,7 @@ def check(args: argparse.Namespace) -> tuple[list[Finding], dict]:
     client_side = local_proxy.check(config_only) + oauth.check(config_only)
     found += client_side or [ok("client.config", "no proxy variable or client config problem")]
     reachable, model = probe_router(url)
-    found += reachable + probe_engines(stack) + probe_kv_port(stack)
+    found += reachable + (probe_pools(url) if all(f.severity == "ok" for f in reachable) else []) + probe_engines(stack) + probe_kv_port(stack)
     if all(f.severity == "ok" for f in reachable):
         verified, _ = verify(args, stack=stack, model=model, url=url)
         found += verified

@@ -20,6 +20,7 @@ from doctor.parse import SERVICES, ParseStats, Record, parse_lines
 
 PROJECT_LABEL = "com.docker.compose.project"
 SERVICE_LABEL = "com.docker.compose.service"
+NUMBER_LABEL = "com.docker.compose.container-number"
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
 
 
@@ -113,13 +114,20 @@ def _docker_client():
     return client
 
 
+def _replica_number(container) -> int:
+    number = container.labels.get(NUMBER_LABEL, "1")
+    return int(number) if number.isdigit() else 1
+
+
 def compose_projects(client) -> dict[str, dict[str, object]]:
-    """Compose projects on this daemon that run our services → {project: {service: container}}."""
+    """Compose projects on this daemon that run our services → {project: {service: container}}. A scaled service
+    (./pd scale) is its lowest-numbered replica under the service's name, the others as `<service>-<number>`."""
     projects: dict[str, dict[str, object]] = {}
-    for container in client.containers.list(all=True, filters={"label": PROJECT_LABEL}):
+    for container in sorted(client.containers.list(all=True, filters={"label": PROJECT_LABEL}), key=_replica_number):
         labels = container.labels
         service = labels.get(SERVICE_LABEL, "")
-        projects.setdefault(labels[PROJECT_LABEL], {})[service] = container
+        services = projects.setdefault(labels[PROJECT_LABEL], {})
+        services[service if service not in services else f"{service}-{_replica_number(container)}"] = container
     return {p: s for p, s in projects.items() if set(s) & set(SERVICES)}
 
 
@@ -166,7 +174,8 @@ def load_docker(project: str | None, since: datetime | None) -> Loaded:
         if since is not None:
             kwargs["since"] = int(since.timestamp())
         text = container.logs(**kwargs).decode("utf-8", errors="replace")
-        loaded.add(text.splitlines(), f"docker:{name}/{service}", service if service in SERVICES else None)
+        role = container.labels.get(SERVICE_LABEL, service)  # a replica's lines are its service's
+        loaded.add(text.splitlines(), f"docker:{name}/{service}", role if role in SERVICES else None)
     loaded.docker = {"project": name, "services": services, "router_url": published_router_url(projects[name]),
                      "networks": networks, "config_dirs": config_dirs, "published": published, "exits": exits}
     return loaded

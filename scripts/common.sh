@@ -3,7 +3,7 @@
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="$REPO/.cache"
-VENV="$REPO/.venv"
+VENV="${PD_VENV:-$REPO/.venv}"   # PD_VENV: another checkout's venv (e.g. a git worktree sharing one)
 # The one image every CPU service runs (the command picks the role).
 PD_IMAGE="${PD_IMAGE:-pd-deploy/app:latest}"
 # Base image made from Debian packages when no registry can give python:3.11-slim.

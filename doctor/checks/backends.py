@@ -1,7 +1,8 @@
 """A backend that is gone: the router answers 503 no_prefill_backend / no_decode_backend.
 
 Relies on the router's http.error (code no_prefill_backend | no_decode_backend), backend.health
-(state down, with its reason) and, when read live, the container's state (exited, OOM-killed, exit code).
+(state down, with its reason), discovery.left (a replica of a discover pool that stopped resolving)
+and, when read live, the container's state (exited, OOM-killed, exit code).
 The vLLM P2pNccl registry mode has its own diagnosis (p2pnccl).
 """
 
@@ -23,6 +24,8 @@ def check(ctx: Context) -> list[Finding]:
         if not failed:
             continue
         down = [r for r in ctx.by_event(events.BACKEND_HEALTH) if r[events.ROLE] == role and r[events.STATE] == "down"]
+        # A discover pool (replicas.py): a replica that stopped no longer resolves and leaves the pool.
+        left = [r for r in ctx.by_event(events.DISCOVERY_LEFT) if r[events.ROLE] == role]
         state = (ctx.docker or {}).get("services", {}).get(role)
         exit_info = (ctx.docker or {}).get("exits", {}).get(role) or {}
         last = [r for r in ctx.records if r.service == role][-2:]
@@ -39,10 +42,12 @@ def check(ctx: Context) -> list[Finding]:
             f"backend.{role}_down", "error",
             f"No {role} backend is up: {len(failed)} request(s) got 503 no_{role}_backend",
             f"The router has no healthy {role} engine to send requests to"
-            + (f"; it marked it down ({', '.join(reasons)})" if down else "") + "." + container
+            + (f"; it marked it down ({', '.join(reasons)})" if down else "")
+            + (f"; {len(left)} replica(s) left the pool (no longer found under {left[-1][events.DISCOVER]}, "
+               f"{left[-1][events.REPLICAS]} left)" if left else "") + "." + container
             + (" Exit code 137 / OOM-killed means the kernel killed it for memory." if exit_info.get("oom") or
                exit_info.get("exit_code") == 137 else ""),
             f"docker compose ps {role}; docker compose logs {role} --tail 50; then docker compose up -d {role} "
             "(if it was OOM-killed: a smaller checkpoint or more memory for the container)",
-            failed[:3] + down[:2] + last, [r.request_id for r in failed]))
+            failed[:3] + down[:2] + left[-2:] + last, [r.request_id for r in failed]))
     return out

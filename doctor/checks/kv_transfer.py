@@ -232,19 +232,25 @@ def _model_mismatch(ctx: Context) -> list[Finding]:
     starting = {r.service: r for r in ctx.by_event(events.SERVICE_STARTING) if r[events.FINGERPRINT]}
     differ = ("prefill" in starting and "decode" in starting
               and starting["prefill"][events.FINGERPRINT] != starting["decode"][events.FINGERPRINT])
-    if not mismatched and not differ:
+    # The router pairs only engines whose fingerprints agree: a decode with no prefill of its model serves alone.
+    alone = ctx.by_event(events.ROUTER_VERSION_SPLIT)
+    if not mismatched and not differ and not alone:
         return []
     first = next((r for r in mismatched if r[events.LOCAL]), None)
     detail = (f" Decode's model is {first[events.LOCAL]}, prefill's KV came from {first[events.REMOTE]}."
               if first else "")
+    if alone:
+        detail += (f" The router pairs only engines of one model, so {len(alone)} request(s) ran on decode alone, without"
+                   f" disaggregation (router.model_version_split; decode's model {alone[-1][events.FINGERPRINT]}). During a"
+                   " rolling model update (./pd swarm update) this is expected and ends with the update.")
     return [finding(
         "kv.model_mismatch", "error", "Prefill and decode run different model versions",
         "The KV header's model fingerprint differs from decode's own: the two engines load different "
         "checkpoints (or seeds), so the KV cache is meaningless to decode and is refused." + detail,
         "point `model` (checkpoint / seed) in prefill/config.json and decode/config.json at the same "
         "version, then docker compose up -d --force-recreate prefill decode",
-        mismatched[:3] + [starting[s] for s in ("prefill", "decode") if s in starting and differ],
-        _rids(mismatched))]
+        mismatched[:3] + alone[:2] + [starting[s] for s in ("prefill", "decode") if s in starting and differ],
+        _rids(mismatched + alone))]
 
 
 def _corrupt(ctx: Context) -> list[Finding]:

@@ -93,8 +93,8 @@ KV_ROLE = Field("kv_role", str, "kv_consumer", "kv_producer | kv_consumer | kv_b
 MODEL = Field("model", str, "tiny-llama")
 CHECKPOINT = Field("checkpoint", str, "/models/tiny-llama", "null: dummy weights from a seed")
 FINGERPRINT = Field("fingerprint", str, "llama-tiny-seed0-4c1f9a2e", "config + weights; prefill and decode must agree")
-PREFILL_URLS = Field("prefill", list, ["http://prefill:8000"], "the router's prefill backends")
-DECODE_URLS = Field("decode", list, ["http://decode:8000"], "the router's decode backends")
+PREFILL_URLS = Field("prefill", list, ["http://prefill:8000"], "the router's prefill backends (or its discover name)")
+DECODE_URLS = Field("decode", list, ["http://decode:8000"], "the router's decode backends (or its discover name)")
 POLICY = Field("policy", str, "load_aware", "the router's scheduling policy")
 KEY = Field("key", str, "kv_transfer_config.kv_connector", "a config key, dotted")
 VALUE = Field("value", object, "PyNcclConnector", "the value as written")
@@ -383,6 +383,21 @@ ROUTER_PREFILL_FINISHED = Event("router.prefill_finished", ROUTER,
 ROUTER_KV_EXPIRED = Event("router.kv_expired", ROUTER,
                           "the prefill's KV lease ran out before the decode leg was sent: the pair is re-picked, never sent",
                           required=(PREFILL_URL, DECODE_URL, LEASE_MS, WAITED_MS), level="WARNING")
+
+# -- replica discovery (issue 14: stack/router/replicas.py) -----------------------------------------
+DISCOVER = Field("discover", str, "dns://prefill:8000", "a pool's discover setting: the name its replicas are found under")
+REPLICAS = Field("replicas", int, 2, "addresses the discover name has now")
+IN_FLIGHT_REQUESTS = Field("in_flight_requests", int, 1, "requests still running on a backend that left its pool")
+DISCOVERY_JOINED = Event("discovery.joined", ROUTER, "a replica appeared under its pool's discover name; it takes requests once healthy",
+                         required=(ROLE, BACKEND, DISCOVER, REPLICAS))
+DISCOVERY_LEFT = Event("discovery.left", ROUTER, "a replica vanished from its discover name; it gets no new request, those in flight finish",
+                       required=(ROLE, BACKEND, DISCOVER, REPLICAS, IN_FLIGHT_REQUESTS))
+DISCOVERY_FAILED = Event("discovery.failed", ROUTER, "a discover name could not be resolved; the pool stays as it was (once per streak)",
+                         required=(ROLE, DISCOVER, ERROR), level="WARNING")
+
+ROUTER_VERSION_SPLIT = Event("router.model_version_split", ROUTER,
+                             "no usable prefill runs this decode's model (a rolling update): decode serves the request alone",
+                             required=(DECODE_URL, FINGERPRINT), level="WARNING")
 
 ALL: Mapping[str, Event] = {value: value for value in dict(globals()).values() if isinstance(value, Event)}
 

@@ -18,6 +18,7 @@ from aiohttp import web
 from stack.common import events
 from stack.common.errors import Unauthorized, error_response
 from stack.common.logging import log_event, register_secret
+from stack.common.secret_env import read_secret
 
 ENV = "PD_INTERNAL_KEY"
 _OPEN_PATHS = ("/health", "/metrics")
@@ -25,7 +26,7 @@ _OPEN_PATHS = ("/health", "/metrics")
 
 def internal_key(env: Mapping[str, str] | None = None) -> str | None:
     """PD_INTERNAL_KEY, registered with the log redactor, or None when unset."""
-    key = (os.environ if env is None else env).get(ENV, "").strip()
+    key = read_secret(os.environ if env is None else env, ENV).strip()  # or the file PD_INTERNAL_KEY_FILE names
     if key:
         register_secret(key)
     return key or None

@@ -65,6 +65,12 @@ def load(args: argparse.Namespace) -> tuple[EngineConfig, Model, dict]:
     return config, model, raw
 
 
+def _config_failed(exc: ConfigError) -> int:
+    log_event(events.CONFIG_INVALID, str(exc), "ERROR", file=exc.file, key=exc.key, problem=exc.problem)
+    print(f"error: {exc}", file=sys.stderr)
+    return EXIT_CONFIG
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.service_name or "engine", args.log_level)
@@ -72,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config, model, raw = load(args)
     except ConfigError as exc:
-        log_event(events.CONFIG_INVALID, str(exc), "ERROR", file=exc.file, key=exc.key, problem=exc.problem)
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        return _config_failed(exc)
     if args.service_name is None:
         setup_logging(config.role, args.log_level)
     log_event(events.SERVICE_STARTING, f"engine role {config.role} serving {config.model} ({model.name})", config=args.config,
@@ -85,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from stack.engine.server import create_app, warm_up  # after logging: importing is not free
 
-    app = create_app(config, model)
+    try:
+        app = create_app(config, model)
+    except ConfigError as exc:  # PD_INTERNAL_KEY_FILE names a file it cannot read
+        return _config_failed(exc)
     asyncio.run(serve(app, host=args.host, port=args.port, health_port=args.health_port, warmup=lambda: warm_up(app)))
     return 0
 

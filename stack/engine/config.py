@@ -31,6 +31,7 @@ OWN_CONNECTOR = "PdTcpConnector"
 DEFAULT_KV_ROLE: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 KV_PORT_ENV = "KV_TRANSFER_PORT"  # overrides a KV consumer's kv_transfer_config.kv_port (compose passes it from .env)
 PREFIX_CACHING_ENV = "PD_PREFIX_CACHING"  # 0 | 1: overrides prefix_caching (the benchmark's arms with and without it)
+KV_HOST_ENV = "KV_ADVERTISE_HOST"  # overrides a KV consumer's kv_transfer_config.kv_advertise_host
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class KVTransferConfig:
     kv_load_failure_policy: Literal["fail", "recompute"] = "fail"  # KV never came: error (vLLM default) or prefill locally
     kv_lease_ms: int = 30000  # pushed KV nobody claims is freed after this (NIXL's kv_lease_duration is 30 s)
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)  # vLLM's; accepted and ignored
+    # The name prefill reaches this consumer's KV listener by, reported on /health as `kv_host` (routers that discover
+    # replicas by DNS use it; env KV_ADVERTISE_HOST overrides it, e.g. a Kubernetes pod IP). Empty: this host's name,
+    # which for a container is its short id, resolved by Docker's DNS on every network it joins.
+    kv_advertise_host: str = ""
 
     def __post_init__(self) -> None:
         check(0 <= self.kv_port <= 65535, "kv_port", f"must be a TCP port (0-65535), got {self.kv_port}")
@@ -166,6 +171,9 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None,
         port = _env_kv_port(environ)
         if port is not None:
             config = replace(config, kv_transfer_config=replace(config.kv_transfer_config, kv_port=port))
+    advertised = (os.environ if env is None else env).get(KV_HOST_ENV, "").strip()
+    if config.is_kv_consumer and advertised:
+        config = replace(config, kv_transfer_config=replace(config.kv_transfer_config, kv_advertise_host=advertised))
     return config, raw
 
 

@@ -19,6 +19,7 @@ arrays and tokens only.
 from __future__ import annotations
 
 import asyncio
+import socket
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -76,12 +77,13 @@ class KVHandoff:
         if self.consumer is not None:
             await self.consumer.close()
 
-    def health(self) -> dict[str, int]:
-        """The KV listener's numbers for /health (the router learns decode's KV address from kv_port)."""
+    def health(self) -> dict[str, int | str]:
+        """The KV listener's numbers for /health (the router learns decode's KV address from kv_port and kv_host)."""
         if self.consumer is None:
             return {}
         c = self.consumer
-        return {"kv_port": c.port, "kv_buffer_used": c.buffer_used, "kv_buffer_size": c.buffer_size, "kv_held_transfers": c.held_transfers}
+        return {"kv_port": c.port, "kv_host": self.config.kv_transfer_config.kv_advertise_host or socket.gethostname(),
+                "kv_buffer_used": c.buffer_used, "kv_buffer_size": c.buffer_size, "kv_held_transfers": c.held_transfers}
 
     # -- prefill leg -----------------------------------------------------------------------------
 

@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     server = config.server
     log_event(events.SERVICE_STARTING, f"router starting with {args.config}", config=args.config,
-              prefill=list(config.prefill.urls), decode=list(config.decode.urls), policy=config.scheduler.policy)
+              prefill=list(config.prefill.urls) or [config.prefill.discover], decode=list(config.decode.urls) or [config.decode.discover],
+              policy=config.scheduler.policy)
     asyncio.run(serve(app, host=args.host or server.host, port=args.port if args.port is not None else server.port,
                       health_port=args.health_port if args.health_port is not None else server.health_port,
                       header_timeout_s=server.header_timeout_ms / 1000))

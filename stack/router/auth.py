@@ -1,7 +1,8 @@
 """The unified key: who may call the router, decided in constant time without keeping any key.
 
 Keys come only from the environment: the variable named by `[taotoken] api_key_env` (key name
-"default", limits from `[limits]`) and the variables named in the optional keys file. Only their
+"default", limits from `[limits]`) and the variables named in the optional keys file; each may instead
+name a file in `<VAR>_FILE` (a Docker secret, /run/secrets/...: stack.common.secret_env). Only their
 sha256 digests are kept. A request's key is hashed and compared with `hmac.compare_digest`
 against every known digest (no early exit), so timing says nothing about which byte differed.
 
@@ -20,6 +21,7 @@ from stack.common import events
 from stack.common.errors import Unauthorized
 from stack.common.logging import log_event, register_secret
 from stack.common.config import ConfigError
+from stack.common.secret_env import read_secret
 from stack.router.config import KeyLimits, KeysFile, RouterConfig
 
 DEFAULT_KEY_NAME = "default"
@@ -59,7 +61,7 @@ class KeyRing:
         wanted += [(entry.name, entry.env, entry.limits(config.limits)) for entry in keys_file.keys]
         keys: list[tuple[Caller, str]] = []
         for name, var, limits in wanted:
-            value = env.get(var, "")
+            value = read_secret(env, var)  # or the file <var>_FILE names (a Docker/Kubernetes secret)
             if not value.strip():
                 log_event(events.AUTH_KEY_MISSING, f"environment variable {var} is unset or empty: key {name!r} is disabled",
                           "WARNING", key_name=name, env_var=var)

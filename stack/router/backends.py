@@ -66,8 +66,21 @@ class PoolConfig:
     # (`capabilities`, our engine; nothing reported = none of the extras), a preset ("vllm": all vLLM takes,
     # "none"), or a list of flag names. Requests asking for more get the API's 400 naming the parameter.
     capabilities: str | tuple[str, ...] = "auto"
+    # Instead of endpoints: "dns://NAME:PORT" = every address NAME resolves to is one backend http://ADDR:PORT, re-resolved
+    # every discover_interval_ms (replicas.py: compose --scale, Swarm tasks.<service>, Kubernetes headless Services).
+    # Their gRPC health is ADDR:discover_health_port (or http://ADDR:PORT/health with health_check "http").
+    discover: str = ""
+    discover_interval_ms: int = 2000
+    discover_health_port: int = DEFAULT_HEALTH_PORT
 
     def __post_init__(self) -> None:
+        if self.discover:
+            check(not self.urls, "discover", "set either endpoint/endpoints or discover, not both")
+            for name in ("kv_addrs", "health_addrs"):
+                check(not getattr(self, name), name, "is per endpoint; a discover pool learns each replica's addresses itself")
+            check(discover_target(self.discover) is not None, "discover", f"must be dns://NAME:PORT like dns://prefill:8000, got {self.discover!r}")
+        check(0 < self.discover_health_port < 65536, "discover_health_port", f"must be 1..65535, got {self.discover_health_port}")
+        check(self.discover_interval_ms >= 100, "discover_interval_ms", f"must be at least 100, got {self.discover_interval_ms}")
         for i, url in enumerate(self.urls):
             _check_url(url, "endpoint" if url == self.endpoint else f"endpoints[{i}]")
         check(self.max_concurrent > 0, "max_concurrent", f"must be > 0, got {self.max_concurrent}")
@@ -91,6 +104,11 @@ class PoolConfig:
             check(port != 0, f"kv_addrs[{i}]", f"port must be 1..65535, got {addr!r}")
 
     @property
+    def target(self) -> tuple[str, int] | None:
+        """(NAME, PORT) of a discover pool; None for a static one."""
+        return discover_target(self.discover) if self.discover else None
+
+    @property
     def urls(self) -> tuple[str, ...]:
         merged = ((self.endpoint,) if self.endpoint else ()) + self.endpoints
         return tuple(dict.fromkeys(url.rstrip("/") for url in merged))
@@ -111,9 +129,23 @@ class PoolConfig:
         return self.health_addrs[index] if self.health_addrs else f"{url_host(self.urls[index])}:{DEFAULT_HEALTH_PORT}"
 
 
+def discover_target(setting: str) -> tuple[str, int] | None:
+    """("prefill", 8000) from "dns://prefill:8000"; None when it is not of that form."""
+    parts = urlsplit(setting)
+    try:
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme != "dns" or not parts.hostname or not port or parts.path not in ("", "/") or parts.query or parts.username:
+        return None
+    return parts.hostname, port
+
+
 def check_topology(prefill: PoolConfig, decode: PoolConfig) -> None:
     """Prefill and decode pools are either the same engines (colocated) or disjoint (disaggregated)."""
-    check(bool(decode.urls), "decode.endpoint", "at least one decode endpoint is required")
+    check(bool(decode.urls or decode.discover), "decode.endpoint", "at least one decode endpoint (or decode.discover) is required")
+    if prefill.discover or decode.discover:
+        return  # names, not addresses: the same discover name is colocated (is_colocated), different ones disaggregated
     shared = set(prefill.urls) & set(decode.urls)
     check(not shared or set(prefill.urls) == set(decode.urls), "prefill.endpoints",
           "prefill and decode endpoints must be identical (colocated) or disjoint (disaggregated); "
@@ -121,7 +153,10 @@ def check_topology(prefill: PoolConfig, decode: PoolConfig) -> None:
 
 
 def is_colocated(prefill: PoolConfig, decode: PoolConfig) -> bool:
-    return not prefill.urls or set(prefill.urls) == set(decode.urls)
+    """No prefill pool, or the very same engines as decode (same endpoints, or the same discover name)."""
+    if not prefill.urls and not prefill.discover:
+        return True
+    return set(prefill.urls) == set(decode.urls) and prefill.discover == decode.discover
 
 
 class Breaker:

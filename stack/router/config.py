@@ -2,8 +2,8 @@
 
     [server]    host, port, health_port, max_body_bytes
     [taotoken]  base_url, api_key_env, model_id
-    [prefill]   endpoint | endpoints, max_concurrent, health_addrs            (PoolConfig)
-    [decode]    endpoint | endpoints, max_concurrent, kv_addrs, health_addrs  (PoolConfig)
+    [prefill]   endpoint | endpoints | discover, max_concurrent, health_addrs            (PoolConfig)
+    [decode]    endpoint | endpoints | discover, max_concurrent, kv_addrs, health_addrs  (PoolConfig)
     [scheduler] policy, kv_connector, kv_transfer_timeout_ms, …               (SchedulerConfig)
     [auth]      keys_file: optional TOML/JSON naming more keys (by env var) with their own limits
     [limits]    rpm, tpm, max_concurrent, token_quota: per-key defaults, 0 = unlimited
@@ -12,7 +12,7 @@
     [p2pnccl]   registry_port, instance_ttl_ms: vLLM P2pNccl engines register themselves (P2pNcclConfig)
 
 `PREFILL_ENDPOINT` and `DECODE_ENDPOINT` in the environment override the file (the article's
-.env); so do `BACKEND_HEALTH_CHECK`, `BACKEND_CAPABILITIES`, `KV_CONNECTOR` and `P2PNCCL_REGISTRY_PORT` (the GPU overlays),
+.env), as do `PREFILL_DISCOVER` and `DECODE_DISCOVER` (a dns://NAME:PORT every replica is found under); so do `BACKEND_HEALTH_CHECK`, `BACKEND_CAPABILITIES`, `KV_CONNECTOR` and `P2PNCCL_REGISTRY_PORT` (the GPU overlays),
 and `LIMITS_REDIS_URL` (several routers).
 `KV_TRANSFER_PORT` sets nothing here: decode reports its KV port on GET /health, and the router
 only checks the variable against that (discovery.py). Keys never live in these files: a value
@@ -206,15 +206,23 @@ def _reject_secrets(data: Mapping[str, Any], file: str, env_hint: str, prefix: s
 def _with_env_overrides(data: dict[str, Any], env: Mapping[str, str], file: str) -> dict[str, Any]:
     """Apply the article's .env overrides on top of the file's tables."""
     data = {name: dict(value) if isinstance(value, dict) else value for name, value in data.items()}
-    for var, table in (("PREFILL_ENDPOINT", "prefill"), ("DECODE_ENDPOINT", "decode")):
-        if env.get(var, "").strip():
+    for table in ("prefill", "decode"):
+        var, discover_var = f"{table.upper()}_ENDPOINT", f"{table.upper()}_DISCOVER"
+        endpoints_text, discover = env.get(var, "").strip(), env.get(discover_var, "").strip()
+        if endpoints_text and discover:
+            raise ConfigError("environment", discover_var, f"set {var} (fixed endpoints) or {discover_var} (a DNS name), not both")
+        if endpoints_text or discover:
             section = data.setdefault(table, {})
             if not isinstance(section, dict):
                 raise ConfigError(file, table, f"expected a table, got {type(section).__name__}")
-            # The variable names one endpoint (or a comma-separated list for xPyD); it replaces both forms.
-            endpoints = [e.strip() for e in env[var].split(",") if e.strip()]
-            section.pop("endpoint", None)
-            section["endpoints"] = endpoints
+            # Either variable replaces every form of the file's pool: the endpoint (or a comma-separated list for
+            # xPyD), or the name every replica is found under (replicas.py).
+            for key in ("endpoint", "endpoints", "discover"):
+                section.pop(key, None)
+            if discover:
+                section["discover"] = discover
+            else:
+                section["endpoints"] = [e.strip() for e in endpoints_text.split(",") if e.strip()]
     connector = env.get("KV_CONNECTOR", "").strip()
     if connector:  # the GPU overlays' vLLM engines hand KV over their own way
         if connector not in _KV_CONNECTORS:
@@ -273,8 +281,12 @@ def _check_handoff(config: RouterConfig, file: str) -> None:
         return  # the pools are whoever registers; the configured endpoints are ignored
     for side in ("prefill", "decode"):
         pool: PoolConfig = getattr(config, side)
-        if not pool.urls:
-            raise ConfigError(file, f"{side}.endpoint", f"no endpoint: set {side}.endpoint (or {side}.endpoints) or {side.upper()}_ENDPOINT")
+        if not pool.urls and not pool.discover:
+            raise ConfigError(file, f"{side}.endpoint", f"no endpoint: set {side}.endpoint (or {side}.endpoints, or {side}.discover) "
+                              f"or {side.upper()}_ENDPOINT")
+        if pool.discover and not config.scheduler.health_interval_ms:
+            raise ConfigError(file, "scheduler.health_interval_ms", f"is 0, but {side}.discover needs health probes: a replica "
+                              "joins its pool only once its health says SERVING")
     try:
         check_topology(config.prefill, config.decode)
     except ConfigError as exc:

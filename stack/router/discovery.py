@@ -4,8 +4,8 @@ Our engine reports its KV listener's port on GET /health (`kv_port`, stack/engin
 health monitor (monitor.py) asks a decode when it becomes healthy and keeps it out of the pool
 until it has answered, so no prefill is ever told to push towards a guessed address. The host is
 the decode endpoint's host, or the host of its `kv_addrs` entry when the KV network names decode
-differently. A port the router was given (KV_TRANSFER_PORT, or a `kv_addrs` entry's port) is a
-check, not a setting: when it disagrees, `router.kv_port_mismatch` (ERROR) names both values and
+differently; for a replica found by DNS (replicas.py), the `kv_host` it reports beside `kv_port`. A
+port the router was given (KV_TRANSFER_PORT, or a `kv_addrs` entry's port) is a check, not a setting: when it disagrees, `router.kv_port_mismatch` (ERROR) names both values and
 where each came from, and the reported port is used.
 
 Only the "pd-push" hand-off needs this: vLLM's connectors carry their own addresses (NIXL in
@@ -21,7 +21,7 @@ import aiohttp
 
 from stack.common import events
 from stack.common.logging import log_event
-from stack.router.backends import Backend, PoolConfig, split_addr, url_host
+from stack.router.backends import HOST, Backend, PoolConfig, split_addr, url_host
 
 
 class KVAddressUnknown(Exception):
@@ -48,13 +48,21 @@ def kv_hints(decode: PoolConfig, kv_transfer_port: int, source: str) -> dict[str
     return hints
 
 
+def _reported_host(body: dict) -> str | None:
+    host = body.get("kv_host")
+    return host if isinstance(host, str) and HOST.match(host) else None
+
+
 class KVDiscovery:
     """Learns decodes' KV addresses from their GET /health (see the module docstring)."""
 
-    def __init__(self, session: aiohttp.ClientSession, hints: dict[str, KVHint], client_timeout: aiohttp.ClientTimeout) -> None:
+    def __init__(self, session: aiohttp.ClientSession, hints: dict[str, KVHint], client_timeout: aiohttp.ClientTimeout,
+                 kv_transfer_port: int = 0) -> None:
+        """`hints`: the configured decodes'; a discovered one's port is checked against `kv_transfer_port` (0: none)."""
         self._session = session
         self._hints = hints
         self._timeout = client_timeout
+        self._discovered_claims = ((kv_transfer_port, "KV_TRANSFER_PORT"),) if kv_transfer_port else ()
 
     async def learn(self, decode: Backend) -> str:
         """Ask `decode` for its KV port and set `decode.kv_addr`; KVAddressUnknown if it cannot say."""
@@ -67,7 +75,10 @@ class KVDiscovery:
         port = body.get("kv_port") if isinstance(body, dict) else None
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise KVAddressUnknown(f"GET {url} reports no kv_port (is the decode engine running with kv_role kv_consumer?)")
-        hint = self._hints[decode.url]
+        # A configured decode: the host the router was given. A discovered replica (replicas.py): the host it reports
+        # (`kv_host`: its hostname, which Docker's DNS resolves on every network the container joins, so prefill
+        # reaches it on the KV network; or KV_ADVERTISE_HOST), else the address it was discovered at.
+        hint = self._hints.get(decode.url) or KVHint(_reported_host(body) or url_host(decode.url), self._discovered_claims)
         addr = f"{hint.host}:{port}"
         for claimed, given_by in hint.claims:
             if claimed != port:

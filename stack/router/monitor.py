@@ -6,7 +6,7 @@
         SERVING                                    → up; a pd-push decode first tells its KV address (discovery.py),
                                                      on every return, and stays down until it has
     the engines' model id                          → from a decode's /v1/models, once one answers
-    each backend's capabilities                    → settings.toml [prefill]/[decode] `capabilities` when set, else
+    each backend's capabilities and fingerprint    → settings.toml [prefill]/[decode] `capabilities` when set, else
                                                      its GET /health `capabilities` (asked when it comes up; none
                                                      reported = none of the extras); `capabilities` is what every
                                                      backend a request may reach honours (the intersection)
@@ -53,6 +53,9 @@ class HealthMonitor:
         self._model_learned = False
         self.max_model_len: int | None = None  # the engines' context length (their /v1/models `max_model_len`, vLLM's field)
         self._capabilities: dict[str, Capabilities] = {}  # by backend URL: learned from GET /health (pools on "auto")
+        # By backend URL: the model fingerprint its GET /health reports (our engines), asked with its capabilities.
+        # A prefill and a decode are paired only when theirs agree (pd.py: a rolling model update never mixes them).
+        self.fingerprints: dict[str, str] = {}
         self._clock = clock
         self._loop: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -62,6 +65,9 @@ class HealthMonitor:
             "pd_router_backend_outstanding_tokens": "Prompt + max tokens the router has outstanding on the backend.",
             "pd_router_backend_circuit": "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
             "pd_router_queue_depth": "Requests waiting for a backend slot.",
+            # Per role, so that a pool whose replicas are gone (discover pools drop them: replicas.py) still has a series.
+            "pd_router_pool_backends": "Backends in the role's pool (a discover pool: the replicas its DNS name has now).",
+            "pd_router_pool_up": "Backends of the role that take requests now (up, circuit not open).",
         }, self._gauges)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -101,6 +107,7 @@ class HealthMonitor:
         """A registered instance stopped pinging."""
         self.scheduler.remove_backend(url)
         self._capabilities.pop(url, None)
+        self.fingerprints.pop(url, None)
 
     # -- health rounds -----------------------------------------------------------------------------
     async def _every(self, interval_s: float) -> None:
@@ -189,7 +196,7 @@ class HealthMonitor:
     @property
     def vllm_fields(self) -> bool:
         """Whether vLLM's own request fields may pass: every pool a request may reach is declared vLLM."""
-        return self.config.decode.is_vllm and (self.config.prefill.is_vllm or not self.config.prefill.urls)
+        return self.config.decode.is_vllm and (self.config.prefill.is_vllm or not (self.config.prefill.urls or self.config.prefill.discover))
 
     async def _learn_capabilities(self, backend: Backend) -> None:
         """Ask `backend`'s GET /health for its `capabilities` (pools set in settings.toml are not asked)."""
@@ -210,6 +217,11 @@ class HealthMonitor:
                 data = await response.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return  # asked again when it next comes up
+        fingerprint = data.get("fingerprint") if isinstance(data, dict) else None
+        if isinstance(fingerprint, str) and fingerprint:
+            self.fingerprints[backend.url] = fingerprint
+        else:
+            self.fingerprints.pop(backend.url, None)
         reported = data.get("capabilities", []) if isinstance(data, dict) else []
         try:  # a newer engine may know flags this router does not: those are ignored
             caps = from_names([n for n in reported if n in FLAGS] if isinstance(reported, list) else [])
@@ -243,3 +255,7 @@ class HealthMonitor:
             yield "pd_router_backend_outstanding_tokens", labels, float(b.outstanding_tokens)
             yield "pd_router_backend_circuit", labels, float(_BREAKER_STATE[b.breaker.state])
         yield "pd_router_queue_depth", {}, float(self.scheduler.queue_depth)
+        for role in self.scheduler.roles:
+            pool = self.scheduler.pool(role)
+            yield "pd_router_pool_backends", {"role": role}, float(len(pool))
+            yield "pd_router_pool_up", {"role": role}, float(sum(b.usable for b in pool))

@@ -20,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from aiohttp.abc import AbstractResolver
 
 from stack.common import events
 from stack.common.errors import REQUEST_ID_HEADER, UpstreamError, UpstreamTimeout
@@ -36,6 +38,7 @@ from stack.router.discovery import KVDiscovery, kv_hints
 from stack.router.handoff import Route, handoff_for
 from stack.router.metrics import Metrics
 from stack.router.monitor import HealthMonitor
+from stack.router.replicas import ReplicaWatcher
 from stack.router.upstream import EngineError, LegFailed, exception_failure, open_stream, post_json, status_failure, timeout
 from stack.router.scheduler import NoBackendAvailable, Scheduler, worst_case_s
 
@@ -205,8 +208,9 @@ class PDClient:
     """Runs client requests over the prefill and decode pools (see the module docstring)."""
 
     def __init__(self, config: RouterConfig, session: aiohttp.ClientSession, metrics: Metrics,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """`clock` times the backends' circuit breakers and the prefill's KV lease (tests pass a fake one)."""
+                 clock: Callable[[], float] = time.monotonic, resolver: AbstractResolver | None = None) -> None:
+        """`clock` times the backends' circuit breakers and the prefill's KV lease (tests pass a fake one); `resolver`
+        finds discover pools' replicas (default aiohttp's)."""
         self.settings = s = config.scheduler
         registry = s.kv_connector == "p2pnccl"  # the pools start empty and fill as vLLM P2pNccl instances register
         self.handoff = handoff_for(s.kv_connector, colocated=not registry and is_colocated(config.prefill, config.decode))
@@ -220,9 +224,15 @@ class PDClient:
         self.scheduler = Scheduler(s, pools)
         self.session = session
         self.metrics = metrics
-        kv = (KVDiscovery(session, kv_hints(config.decode, config.kv_transfer_port, config.source), timeout(s.connect_timeout_ms, 5000))
-              if self.handoff.discovers_kv_addr else None)
+        kv = (KVDiscovery(session, kv_hints(config.decode, config.kv_transfer_port, config.source), timeout(s.connect_timeout_ms, 5000),
+                          config.kv_transfer_port) if self.handoff.discovers_kv_addr else None)
         self.monitor = HealthMonitor(config, self.scheduler, session, metrics, kv, clock)
+        # Discover pools (replicas.py): the members are whatever their DNS name resolves to, health-gated by the monitor.
+        roles = [(config.decode, "decode" if self.handoff.prefill_leg else "both")]
+        roles += [(config.prefill, "prefill")] if self.handoff.prefill_leg else []
+        self.watchers = [ReplicaWatcher(pool, role, self.scheduler, (threshold, cooldown), self.monitor.leave, resolver, clock)
+                         for pool, role in roles if pool.discover and not registry]
+        self._sources = {"decode": config.decode.discover or "static", "prefill": config.prefill.discover or "static"}
         self._timeouts = {
             "prefill": timeout(s.connect_timeout_ms, s.prefill_timeout_ms),
             "decode_json": timeout(s.connect_timeout_ms, s.decode_timeout_ms),
@@ -232,9 +242,14 @@ class PDClient:
         self._first_chunk_s = (s.kv_transfer_timeout_ms + s.first_token_timeout_ms) / 1000
 
     async def start(self) -> None:
+        """The discover pools' first members, then the monitor's first round over them (real states), then both loops."""
+        await asyncio.gather(*(watcher.refresh() for watcher in self.watchers))
         await self.monitor.start()
+        for watcher in self.watchers:
+            watcher.start()
 
     async def close(self) -> None:
+        await asyncio.gather(*(watcher.close() for watcher in self.watchers))
         await self.monitor.close()
 
     @property
@@ -244,7 +259,17 @@ class PDClient:
 
     def health_snapshot(self) -> dict[str, Any]:
         return {"mode": self.mode, "kv_connector": self.handoff.kind, "policy": self.settings.policy,
-                "queue_depth": self.scheduler.queue_depth, "worst_case_s": worst_case_s(self.settings), "backends": [b.snapshot() for b in self.scheduler.backends]}
+                "queue_depth": self.scheduler.queue_depth, "worst_case_s": worst_case_s(self.settings), "pools": self.pools(),
+                "backends": [b.snapshot() for b in self.scheduler.backends]}
+
+    def pools(self) -> dict[str, dict[str, Any]]:
+        """Per role: where its members come from (a discover name, or "static"), how many there are, how many are up, and
+        how many report each model fingerprint (one during normal operation; two while a model update rolls)."""
+        roles = ("prefill", "decode") if self.handoff.prefill_leg else ("decode",)
+        fingerprints = self.monitor.fingerprints
+        return {role: {"source": self._sources[role], "backends": len(pool), "up": sum(b.usable for b in pool),
+                       "models": dict(Counter(fingerprints[b.url] for b in pool if b.url in fingerprints))}
+                for role in roles for pool in (self.scheduler.pool(role),)}
 
     async def count_tokens(self, request_id: str, prompt: dict[str, Any]) -> int | None:
         """The engines' token count for `prompt` ({"messages": …} or {"prompt": …}) from vLLM's POST /tokenize on a
@@ -312,12 +337,19 @@ class PDClient:
                     raise last_failure.error from None
                 raise
             try:
-                if self.handoff.prefill_leg:
-                    handed = await self._prefill(job, decode, attempt)
+                other_versions = self._other_versions(decode) if self.handoff.prefill_leg else set()
+                if self.handoff.prefill_leg and not self._version_split(decode, other_versions):
+                    handed = await self._prefill(job, decode, attempt, other_versions)
                     if handed.finished is not None:
                         return _Leg(decode, answer=handed.finished)
                     self._check_lease(job, handed, decode)
                     route, kv_params, prefill_cached = handed.route, handed.kv_params, handed.cached_tokens
+                elif self.handoff.prefill_leg:
+                    # A rolling model update is under way and no prefill runs this decode's model yet: decode computes
+                    # the prompt itself (one ordinary request, as colocated), never KV from another model version.
+                    route, kv_params, prefill_cached = Route(job.request_id, "", None), None, None
+                    log_event(events.ROUTER_VERSION_SPLIT, f"no prefill runs the model of decode {decode.url}; it serves the request alone",
+                              "WARNING", request_id=job.request_id, decode=decode.url, fingerprint=self.monitor.fingerprints.get(decode.url))
                 else:
                     route, kv_params, prefill_cached = self.handoff.route(job.request_id, decode, decode), None, None
                     log_event(events.ROUTER_SCHEDULED, f"colocated on {decode.url}", request_id=job.request_id, prefill=decode.url,
@@ -339,10 +371,21 @@ class PDClient:
         assert last_failure is not None, "retry loop ended without a failure"
         raise last_failure.error
 
-    async def _prefill(self, job: _Job, decode: Backend, attempt: int) -> _Handed:
-        """2. The prefill leg, retried on other prefills; the route both legs follow and what decode gets, or the
-        finished answer when the prefill's one token ended it."""
-        tried: set[Backend] = set()
+    def _other_versions(self, decode: Backend) -> set[Backend]:
+        """Prefills whose model fingerprint differs from `decode`'s (both known): their KV would not fit it."""
+        own = self.monitor.fingerprints.get(decode.url)
+        return {p for p in self.scheduler.pool("prefill")
+                if own and (theirs := self.monitor.fingerprints.get(p.url)) and theirs != own}
+
+    def _version_split(self, decode: Backend, other_versions: set[Backend]) -> bool:
+        """Usable prefills exist, but every one runs another model version than `decode`."""
+        usable = [p for p in self.scheduler.pool("prefill") if p.usable]
+        return bool(usable) and all(p in other_versions for p in usable)
+
+    async def _prefill(self, job: _Job, decode: Backend, attempt: int, other_versions: set[Backend]) -> _Handed:
+        """2. The prefill leg, retried on other prefills (never one of another model version than decode); the route both
+        legs follow and what decode gets, or the finished answer when the prefill's one token ended it."""
+        tried: set[Backend] = set(other_versions)
         last_failure: LegFailed | None = None
         for tries in range(1, self.settings.max_retries + 2):
             try:

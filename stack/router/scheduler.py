@@ -115,6 +115,11 @@ class Scheduler:
         """Every backend of every pool (a snapshot: the pools may change while the caller awaits)."""
         return tuple(b for pool in self._pools.values() for b in pool)
 
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The pools' roles: "decode", and "prefill" when disaggregated."""
+        return tuple(self._pools)
+
     def pool(self, role: str) -> tuple[Backend, ...]:
         return tuple(self._pools[role])
 

@@ -150,16 +150,18 @@ def test_tiny_kv_buffer_with_a_long_prompt(stack: Stack, home):
 
 
 def test_mismatched_models(stack: Stack, home):
-    """prefill on seed 1, decode on seed 0 → kv.model_mismatch with both fingerprints."""
+    """prefill on seed 1, decode on seed 0: the router never pairs them (their /health fingerprints differ), so decode
+    answers alone (router.model_version_split) and no KV crosses versions → kv.model_mismatch naming the split."""
     rid = new_id("model")
     with scenario(stack, "doctor_model", "prefill"):
-        _chat_fails(stack, rid)
-        wait_logged(stack, "decode", "kv_consumer.fingerprint_mismatch")
+        _chat(stack, rid)
+        wait_logged(stack, "router", "router.model_version_split", rid)
         code, doc = diagnose(stack, home, "--since", "2m")
     assert code == 1
     f = finding(doc, "kv.model_mismatch")
-    assert {"prefill", "decode"} & services(f)
-    assert "Decode's model is" in f["cause"]
+    assert {"prefill", "decode"} & services(f) and "router" in services(f)
+    assert "ran on decode alone" in f["cause"]
+    assert not stack.wait_for_event("decode", "kv_consumer.fingerprint_mismatch", timeout_s=0)
 
 
 def test_router_not_running(stack: Stack, home, tmp_path):

@@ -3,7 +3,7 @@
 One stack (compose.yaml + compose.observability.yaml, dummy:tiny) for the module, with the shipped
 Prometheus config made fast for tests (1 s scrape/eval, 2 s DNS refresh, every `for:` 2 s), a
 short load of streamed chats (plus some 401s), then: every target healthy; every dashboard query
-non-empty; the PNG rendered; and, last, decode killed → PDBackendDown fires. promtool (inside the
+non-empty; the PNG rendered; and, last, decode killed → PDPoolEmpty fires. promtool (inside the
 Prometheus image) checks the shipped config and rules, lints both /metrics bodies, and unit-tests
 every alert on synthetic series (tests/unit/observability/alerts_test.yml).
 """
@@ -206,16 +206,17 @@ def test_panels_png_from_live_prometheus(loaded: tuple[Stack, Prometheus], tmp_p
 
 
 def test_killing_decode_fires_backend_down(loaded: tuple[Stack, Prometheus]) -> None:
-    """docker kill decode → the router's probe marks it down → PDBackendDown{role=decode} fires (for: 2 s in tests)."""
+    """docker kill decode → the router's pool has no decode up (it leaves the discover pool, or its probe marks it
+    down first) → PDPoolEmpty{role=decode} fires (for: 2 s in tests)."""
     stack, prom = loaded
     stack.container("decode").kill()
 
     def firing() -> list[dict[str, Any]]:
         alerts = prom.get("/api/v1/alerts")["alerts"]
-        return [a for a in alerts if a["labels"]["alertname"] == "PDBackendDown" and a["labels"].get("role") == "decode" and a["state"] == "firing"]
+        return [a for a in alerts if a["labels"]["alertname"] == "PDPoolEmpty" and a["labels"].get("role") == "decode" and a["state"] == "firing"]
 
-    alert = prom.wait("PDBackendDown firing for decode", firing, 60)[0]
-    assert "decode:8000" in alert["labels"]["backend"]
+    alert = prom.wait("PDPoolEmpty firing for decode", firing, 60)[0]
+    assert alert["labels"]["severity"] == "critical"
 
 
 def test_scaled_decode_replicas_are_discovered(loaded: tuple[Stack, Prometheus]) -> None:

@@ -30,7 +30,9 @@ def _router_health(stack: Stack) -> dict[str, Any]:
 
 
 def _decode_state(stack: Stack) -> str:
-    return next(b["state"] for b in _router_health(stack)["backends"] if b["role"] == "decode")
+    """The router's decode: "up" or "down"; a stopped decode may instead have left the pool (it no longer resolves
+    under the discover name, stack/router/replicas.py), which is as down as it gets: "down" too."""
+    return next((b["state"] for b in _router_health(stack)["backends"] if b["role"] == "decode"), "down")
 
 
 def _wait_decode_state(stack: Stack, state: str, timeout_s: float) -> str:

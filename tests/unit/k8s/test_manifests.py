@@ -138,13 +138,11 @@ def test_ports_are_the_ones_the_configs_set(tmp_path: Path) -> None:
     for role in ("prefill", "decode"):
         host, port = re.fullmatch(r"dns://([a-z0-9-]+):(\d+)", settings[role]["discover"]).groups()
         assert host == f"{role}-headless" and int(port) == named_ports(pods[role])["http"]
-    # `discover` is the router's DNS discovery (issue 14 part 1, branch wt-scale: `dns://NAME:PORT`, exclusive with
-    # `endpoint`); until it is merged here the loader knows only static endpoints, so the check loads the same file with
-    # each pool's discovered name as its endpoint. (Merging wt-scale: load `settings_text` itself and drop `static`.)
-    static = re.sub(r'discover = "dns://([a-z0-9-]+:\d+)"', r'endpoint = "http://\1"', settings_text)
     path = tmp_path / "settings.toml"
-    path.write_text(static)
+    path.write_text(settings_text)
     config = router_config.load(path, env={})
+    assert {role: getattr(config, role).discover for role in ("prefill", "decode")} == \
+        {role: settings[role]["discover"] for role in ("prefill", "decode")}
     assert (config.server.port, config.server.health_port) == (named_ports(pods["router"])["http"], named_ports(pods["router"])["grpc-health"])
     redis_host = re.fullmatch(r"redis://([a-z0-9-]+):(\d+)/\d+", config.limits_store.redis_url).groups()
     assert redis_host == ("redis", str(services["redis"]["spec"]["ports"][0]["port"]))

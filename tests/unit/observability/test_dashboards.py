@@ -70,7 +70,7 @@ def exposed_names() -> set[str]:
     router.add_key_gauges(lambda: [], None, None)  # type: ignore[arg-type]
     names = set(router._gauge_help) | set(engine._gauge_help)
     names |= {"pd_router_backend_up", "pd_router_backend_in_flight", "pd_router_backend_outstanding_tokens",
-              "pd_router_backend_circuit", "pd_router_queue_depth"}  # monitor.py's gauges
+              "pd_router_backend_circuit", "pd_router_queue_depth", "pd_router_pool_backends", "pd_router_pool_up"}  # monitor.py's gauges
     for owner in (router, engine):
         for metric in vars(owner).values():
             if hasattr(metric, "buckets"):

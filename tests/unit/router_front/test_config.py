@@ -23,11 +23,12 @@ def _settings(tmp_path: Path, text: str) -> Path:
 
 
 def test_shipped_settings_load_with_compose_endpoints() -> None:
-    """The shipped settings.toml is the article's schema pointed at the compose services."""
+    """The shipped settings.toml is the article's schema pointed at the compose services: every replica of each."""
     config = router_config.load(SHIPPED, env={})
     assert config.server.port == 8080 and config.taotoken.api_key_env == "TAOTOKEN_API_KEY"
     assert config.taotoken.model_id == "your-model-id"
-    assert config.prefill.urls == ("http://prefill:8000",) and config.decode.urls == ("http://decode:8000",)
+    assert config.prefill.discover == "dns://prefill:8000" and config.decode.discover == "dns://decode:8000"
+    assert config.prefill.urls == config.decode.urls == ()
     assert config.scheduler.policy == "load_aware" and config.scheduler.kv_connector == "pd-push"
     # No KV port anywhere: the router learns it from decode's GET /health.
     assert config.decode.kv_addrs == () and config.kv_transfer_port == 0
@@ -75,10 +76,13 @@ def test_half_shared_endpoints_are_refused_at_load(tmp_path: Path) -> None:
 
 def test_backend_health_check_env_switches_both_pools_to_http() -> None:
     """BACKEND_HEALTH_CHECK=http (the GPU overlay's vLLM engines) probes GET /health; another value is refused."""
-    config = router_config.load(SHIPPED, env={"BACKEND_HEALTH_CHECK": "http"})
+    fixed = {"PREFILL_ENDPOINT": "http://prefill:8000", "DECODE_ENDPOINT": "http://decode:8000"}
+    config = router_config.load(SHIPPED, env={**fixed, "BACKEND_HEALTH_CHECK": "http"})
     assert config.prefill.health_addr(0) == "http://prefill:8000/health"
     assert config.decode.health_check == "http" and config.decode.health_addr(0) == "http://decode:8000/health"
-    assert router_config.load(SHIPPED, env={}).decode.health_addr(0) == "decode:50051"
+    assert router_config.load(SHIPPED, env=fixed).decode.health_addr(0) == "decode:50051"
+    # Discovered replicas (the shipped default) are probed the same way: replicas.py builds their addresses.
+    assert router_config.load(SHIPPED, env={"BACKEND_HEALTH_CHECK": "http"}).decode.health_check == "http"
     with pytest.raises(ConfigError, match="BACKEND_HEALTH_CHECK: must be grpc or http, got 'rest'"):
         router_config.load(SHIPPED, env={"BACKEND_HEALTH_CHECK": "rest"})
 

@@ -166,24 +166,27 @@ def relay_app(client: PDClient) -> Any:
 class EngineProcess:
     """A real `python -m stack.engine` process on loopback, logging JSON lines to a file."""
 
-    def __init__(self, role: str, tmp_path: Any, checkpoint: str = "dummy:tiny") -> None:
+    def __init__(self, role: str, tmp_path: Any, checkpoint: str = "dummy:tiny", host: str = "127.0.0.1",
+                 ports: tuple[int, int] | None = None) -> None:
+        """`host`, `ports` (HTTP, gRPC health): a replica of a discover pool (test_replicas.py); default free ports."""
         self.role = role
         self.checkpoint = checkpoint
-        self.port, self.health_port, self.kv_port = free_port(), free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.health_addr = f"127.0.0.1:{self.health_port}"
-        self.log_path = tmp_path / f"{role}-{self.port}.log"
+        self.host = host
+        (self.port, self.health_port), self.kv_port = ports or (free_port(), free_port()), free_port()
+        self.url = f"http://{host}:{self.port}"
+        self.health_addr = f"{host}:{self.health_port}"
+        self.log_path = tmp_path / f"{role}-{host}-{self.port}.log"
         source = "decode" if role == "both" else role
         config = json.loads((REPO / source / "config.json").read_text())
         config["role"] = role
         if role == "both":
             config["kv_transfer_config"].pop("kv_role", None)
-        self.config_path = tmp_path / f"{role}-{self.port}.json"
+        self.config_path = tmp_path / f"{role}-{host}-{self.port}.json"
         self.config_path.write_text(json.dumps(config))
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> EngineProcess:
-        cmd = [sys.executable, "-m", "stack.engine", "--config", str(self.config_path), "--host", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "stack.engine", "--config", str(self.config_path), "--host", self.host, "--port", str(self.port),
                "--health-port", str(self.health_port), "--kv-port", str(self.kv_port), "--checkpoint", self.checkpoint]
         self.proc = subprocess.Popen(cmd, stdout=self.log_path.open("wb"), stderr=subprocess.STDOUT, cwd=REPO,
                                      env={**os.environ, "PD_INTERNAL_KEY": INTERNAL_KEY})
