@@ -2,7 +2,9 @@
 
 One `forward` serves both phases over a flattened ragged batch (like vLLM): the new tokens of every
 segment go through the matmuls together as one (N, dim) matrix; attention runs per segment against
-that segment's own `KVCache`. Prefill is one segment with T = len(prompt), decode is many T = 1
+that segment's own `KVCache`, the segments of a large step split over the process's cores
+(`attention_groups`: a decode batch's attention reads every sequence's whole cache, so it is the
+memory-bound part of the step). Prefill is one segment with T = len(prompt), decode is many T = 1
 segments, and a colocated step mixes both in one call. The `Model` holds no per-request state.
 """
 
