@@ -258,6 +258,44 @@ def warmup_args(args: argparse.Namespace, base_url: str) -> argparse.Namespace:
     return run_args(args, base_url, float("inf"), num_prompts=args.warmup, max_concurrency=1, seed=args.seed + 1, disable_tqdm=True)
 
 
+# The router's counters of where prompts went and what the engines' prefix caches served (stack/router/metrics.py).
+ROUTER_COUNTERS = ("pd_router_prompt_tokens_total", "pd_router_cached_prompt_tokens_total", "pd_router_affinity_decisions_total")
+
+
+async def router_counters(base_url: str) -> dict[str, float]:
+    """ROUTER_COUNTERS series from GET /metrics ("name{labels}" → value); empty if the router does not answer."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            async with session.get(f"{base_url}/metrics") as response:
+                text = await response.text() if response.status == 200 else ""
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        text = ""
+    return parse_counters(text)
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    series = {}
+    for line in text.splitlines():
+        if line.startswith(ROUTER_COUNTERS):
+            name, _, value = line.rpartition(" ")
+            series[name] = float(value)
+    return series
+
+
+def cache_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """What one run added: prompt and cached tokens (hit rate) and the routing decisions, summed over backends."""
+    added = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    prompt = sum(v for k, v in added.items() if k.startswith(ROUTER_COUNTERS[0]))
+    cached = sum(v for k, v in added.items() if k.startswith(ROUTER_COUNTERS[1]))
+    decisions: dict[str, float] = {}
+    for key, value in added.items():
+        if key.startswith(ROUTER_COUNTERS[2]) and value:
+            decision = key.split('decision="', 1)[1].split('"', 1)[0]
+            decisions[decision] = decisions.get(decision, 0.0) + value
+    return {"prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else None,
+            "affinity_decisions": decisions}
+
+
 async def measure_stack(args: argparse.Namespace, spec: StackSpec, base_url: str, rates: list[float]) -> list[dict]:
     await wait_ready(base_url, args.api_key, args.startup_timeout)
     if args.warmup:
@@ -269,7 +307,9 @@ async def measure_stack(args: argparse.Namespace, spec: StackSpec, base_url: str
         what = f"{one.agentic_sessions} agent sessions" if args.dataset_name == "agentic" else f"{rate} req/s"
         print(f"[compare] {spec.name}: {one.num_prompts} requests, {what}", flush=True)
         load_before = os.getloadavg()[0]
+        counters = await router_counters(base_url)
         result = await serve.benchmark(one)
+        result["router_cache"] = cache_summary(counters, await router_counters(base_url))
         result["stack"] = spec.name
         result["sweep_point"] = rate
         result["loadavg_1m_before"] = load_before
@@ -355,6 +395,7 @@ def write_report(args: argparse.Namespace, specs: list[StackSpec], runs: dict[st
         body += [f"### Against the best colocated arm ({best})", "", report.ratio_table(final, best), ""]
         for arm in (n for n in final if n.startswith("disaggregated")):
             body += [f"Goals for {arm}:", "", *report.goal_lines(final, best, arm), ""]
+    body += ["### Prefix cache and routing (router /metrics over the run)", "", report.cache_table(final), ""]
     report.comparison_chart(final, out / "compare.png", title=f"{args.checkpoint}, {point}, {last['num_prompts']} requests")
     if args.sweep:
         axis = ("Agent sessions", "agent sessions") if agentic else ("Rate (req/s)", "request rate (req/s)")

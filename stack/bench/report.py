@@ -81,6 +81,19 @@ def ratio_table(results: Mapping[str, Result], baseline: str) -> str:
     return "\n".join(lines)
 
 
+def cache_table(results: Mapping[str, Result]) -> str:
+    """Markdown: per arm, the prompt tokens the engines served from their prefix caches (router /metrics) and how the
+    router placed the legs (cache_aware decisions)."""
+    lines = ["| Arm | prompt tokens | cached | hit rate | routing decisions |", "|---|---|---|---|---|"]
+    for name, result in results.items():
+        cache = result.get("router_cache") or {}
+        decisions = ", ".join(f"{k} {int(v)}" for k, v in sorted((cache.get("affinity_decisions") or {}).items())) or "–"
+        rate = cache.get("hit_rate")
+        lines.append(f"| {name} | {_fmt(cache.get('prompt_tokens'), 0)} | {_fmt(cache.get('cached_tokens'), 0)} | "
+                     f"{'–' if rate is None else f'{100 * rate:.0f} %'} | {decisions} |")
+    return "\n".join(lines)
+
+
 def goal_lines(results: Mapping[str, Result], baseline: str, arm: str) -> list[str]:
     """One line per goal: `arm`'s ratio to `baseline`, met or missed, and by what factor."""
     lines = []

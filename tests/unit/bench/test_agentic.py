@@ -97,3 +97,23 @@ def test_arms_pin_the_same_two_cores_and_switch_prefix_caching() -> None:
     bad = parser.parse_args(["--stacks", "colocated:warm,colocated-x2", "--colocated-cpus", "0"])
     bad.api_key = "k"
     assert compare.main(bad) == 2
+
+
+def test_cache_summary_reads_what_a_run_added_to_the_routers_counters() -> None:
+    """From the router's own /metrics text: prompt and cached tokens a run added (hit rate) and its routing decisions."""
+    from stack.router.backends import PoolConfig, build_pool
+    from stack.router.metrics import Metrics
+
+    metrics = Metrics()
+    a, b = build_pool(PoolConfig(endpoints=("http://e1:8000", "http://e2:8000")), "both", 3, 30.0)
+    metrics.observe_prompt_cache(a, {"prompt_tokens": 1000, "prompt_tokens_details": {"cached_tokens": 0}})
+    before = compare.parse_counters(metrics.render()[0])
+    metrics.observe_prompt_cache(a, {"prompt_tokens": 1200, "prompt_tokens_details": {"cached_tokens": 900}})
+    metrics.observe_prompt_cache(b, {"prompt_tokens": 800})  # an engine without caching reports no details
+    metrics.affinity.inc(role="decode", backend=a.url, decision="session")
+    metrics.affinity.inc(role="decode", backend=b.url, decision="imbalanced")
+    summary = compare.cache_summary(before, compare.parse_counters(metrics.render()[0]))
+    assert (summary["prompt_tokens"], summary["cached_tokens"]) == (2000, 900) and summary["hit_rate"] == 0.45
+    assert summary["affinity_decisions"] == {"session": 1, "imbalanced": 1}
+    table = report.cache_table({"colocated-x2:cache": {"router_cache": summary}, "colocated": {}})
+    assert "| colocated-x2:cache | 2000 | 900 | 45 % | imbalanced 1, session 1 |" in table and "| colocated | – | – | – | – |" in table
