@@ -2,6 +2,10 @@
 
     python -m benchmarks.kv_transfer [--model dummy:small] [--prompt 800] [--repeat 3]
 
+Alone it adds two figures of the PD path with prefix caching (kv_pd.py): how much of the transfer
+the layer-streamed push hides behind the prefill's compute, and the bytes a multi-turn session
+ships per turn against what the turn's new tokens need.
+
 Each push runs the engine's own code path and is timed from the checksums through the header, the
 consumer's reply, the layer-wise payload from the cache's memory and the consumer's verification to
 its ack; the decode side then claims and releases it (untimed: that belongs to the decode request).
@@ -25,10 +29,10 @@ import numpy as np
 from benchmarks import _common
 from benchmarks._common import Bench, socket_bandwidth
 from stack.common.logging import setup_logging
-from stack.engine import kv_wire
 from stack.engine.kv_cache import KVCache
 from stack.engine.kv_consumer import KVConsumer
-from stack.engine.kv_transfer import KVProducer, prompt_hash
+from stack.engine.kv_transfer import KVProducer, LayerStream, prompt_hash
+from stack.engine.kv_wire import KVHeader, KVTrailer
 
 
 def raw_socket_gbps(src: np.ndarray, dst: np.ndarray) -> float:
@@ -53,6 +57,15 @@ def raw_socket_gbps(src: np.ndarray, dst: np.ndarray) -> float:
         seconds = time.perf_counter() - started
     server.close()
     return src.nbytes / seconds / 1e9
+
+
+def full_stream(cache: KVCache) -> LayerStream:
+    """A stream with every layer of `cache` ready and the trailer behind them (a push after the compute)."""
+    stream = LayerStream()
+    for layer in range(cache.config.n_layers):
+        stream.layer_done(layer, cache)
+    stream.finish(KVTrailer(first_token=0, seed=0))
+    return stream
 
 
 def kv_transfer(bench: Bench) -> None:
@@ -80,13 +93,10 @@ def kv_transfer(bench: Bench) -> None:
             """Seconds from computing the checksums to the decode's ack; the claim is not timed."""
             transfer_id = f"bench-{tokens}-{next(runs)}"
             started = time.perf_counter()
-            payload = kv_wire.segments(cache.k, cache.v, tokens)
-            header = kv_wire.KVHeader(
-                transfer_id, "bench", model.fingerprint, kv_wire.DTYPE, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, tokens,
-                first_token=0, seed=0, prompt_hash=prompt_hash([0] * tokens), total_bytes=sum(p.nbytes for p in payload),
-                checksums=tuple(kv_wire.checksum(p) for p in payload),
-            )
-            on(prefill_loop, producer.push(header, payload, address))
+            header = KVHeader(transfer_id, "bench", model.fingerprint, "float32", cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, tokens,
+                              prompt_hash=prompt_hash([0] * tokens))
+            stream = full_stream(cache)
+            on(prefill_loop, producer.push(header, stream, address))
             elapsed = time.perf_counter() - started
             on(decode_loop, consumer.claim(transfer_id, 1000)).release()
             return elapsed
@@ -108,4 +118,6 @@ def kv_transfer(bench: Bench) -> None:
 
 
 if __name__ == "__main__":
-    _common.main(__spec__.name, "kv transfer", __doc__.splitlines()[0], [socket_bandwidth, kv_transfer])
+    from benchmarks.kv_pd import kv_overlap, kv_session, prefix_hit
+
+    _common.main(__spec__.name, "kv transfer", __doc__.splitlines()[0], [socket_bandwidth, kv_transfer, prefix_hit, kv_overlap, kv_session])

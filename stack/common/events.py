@@ -134,6 +134,8 @@ DECODE_KV_ADDR = Field("decode_kv_addr", str, "decode:9100", "host:port of decod
 NUM_TOKENS = Field("num_tokens", int, 40, "tokens of KV in the transfer")
 BYTES = Field("bytes", int, 81920, "size of the transfer")
 TRANSFER_MS = Field("transfer_ms", float, 1.6)
+REUSED_BLOCKS = Field("reused_blocks", int, 40, "leading prompt blocks decode already held (prefix cache): not sent")
+TAIL_MS = Field("tail_ms", float, 0.4, "transfer time after the prefill finished: the part not hidden behind compute")
 GBPS = Field("gbps", float, 0.05, "GB/s")
 DETAIL = Field("detail", str, "KV transfer of 8192000 bytes does not fit the receive buffer", "decode's message")
 KV_PORT = Field("kv_port", int, 9100, "the port decode's KV listener is bound to")
@@ -254,7 +256,7 @@ ENGINE_STEP_FAILED = Event("engine.step_failed", ENGINE, "a forward/sampling ste
 KV_PRODUCER_SENDING = Event("kv_producer.sending", PREFILL, "a KV push to decode starts",
                             required=(TRANSFER_ID, DECODE_KV_ADDR, NUM_TOKENS, BYTES))
 KV_PRODUCER_SENT = Event("kv_producer.sent", PREFILL, "decode acknowledged the pushed KV",
-                         required=(TRANSFER_ID, DECODE_KV_ADDR, NUM_TOKENS, BYTES, TRANSFER_MS, GBPS))
+                         required=(TRANSFER_ID, DECODE_KV_ADDR, NUM_TOKENS, BYTES, TRANSFER_MS, GBPS), optional=(REUSED_BLOCKS, TAIL_MS))
 KV_PRODUCER_CONNECT_FAILED = Event("kv_producer.connect_failed", PREFILL, "no TCP connection to decode's KV address",
                                    required=(TRANSFER_ID, DECODE_KV_ADDR, ERROR), level="ERROR")
 KV_PRODUCER_REJECTED = Event(
@@ -270,7 +272,7 @@ KV_PRODUCER_FAILED = Event("kv_producer.failed", PREFILL, "the push broke after 
 KV_CONSUMER_LISTENING = Event("kv_consumer.listening", DECODE, "the KV listener is bound (at start)",
                               required=(KV_PORT, KV_BUFFER_SIZE, KV_LEASE_MS))
 KV_CONSUMER_RECEIVED = Event("kv_consumer.received", DECODE, "a transfer arrived whole",
-                             required=(TRANSFER_ID, NUM_TOKENS, BYTES, PEER, RECEIVE_MS, GBPS))
+                             required=(TRANSFER_ID, NUM_TOKENS, BYTES, PEER, RECEIVE_MS, GBPS), optional=(REUSED_BLOCKS,))
 KV_CONSUMER_CLAIMED = Event("kv_consumer.claimed", DECODE, "a decode request took its KV",
                             required=(TRANSFER_ID, WAIT_MS, NUM_TOKENS, BYTES))
 KV_CONSUMER_TIMEOUT = Event("kv_consumer.timeout", DECODE, "a decode request's KV did not arrive in time",

@@ -12,7 +12,7 @@ from typing import Any
 
 from stack.engine import protocol
 from stack.engine.protocol import CompletionRequest, ResponseIds
-from stack.engine.scheduler import Output, TokenLogprob
+from stack.engine.sequence import Output, TokenLogprob
 from stack.engine.tokenizer import Tokenizer
 from stack.engine.tool_parser import ToolCallParser, delta_tool_calls, message_tool_calls
 

@@ -5,6 +5,7 @@ kv_transfer_config {kv_connector, kv_role, kv_port, kv_buffer_size}, gpu_memory_
 accepted; the ones that mean nothing on a CPU engine are listed by `ignored_fields` and logged once
 at start (`config.ignored`). Unknown keys and wrong types raise `ConfigError` (file: key: problem).
 
+`PD_PREFIX_CACHING=0|1` in the environment overrides `prefix_caching` (benchmark arms flip it per run).
 `KV_TRANSFER_PORT` in the environment is the one override of where a KV consumer (decode) listens;
 decode reports the port it got on `/health` (`kv_port`), which is where the router learns it. A
 producer (prefill) never needs a port: it pushes to the `decode_kv_addr` each request names.
@@ -22,12 +23,14 @@ from stack.common.config import ConfigError, build, check, read_file
 
 Role = Literal["prefill", "decode", "both"]
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+KVDtype = Literal["float32", "float16"]
 
 # Our own connector: TCP push from prefill to the decode's kv_port (see kv_transfer.py).
 OWN_CONNECTOR = "PdTcpConnector"
 # kv_role each engine role implies when the config does not say.
 DEFAULT_KV_ROLE: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 KV_PORT_ENV = "KV_TRANSFER_PORT"  # overrides a KV consumer's kv_transfer_config.kv_port (compose passes it from .env)
+PREFIX_CACHING_ENV = "PD_PREFIX_CACHING"  # 0 | 1: overrides prefix_caching (the benchmark's arms with and without it)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,8 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 64  # sequences admitted at once (running + prefilling)
     chunked_prefill: bool = False  # split long prompts to fit the step budget beside running decodes
+    prefix_caching: bool = True  # keep full KV blocks after a request and reuse them for equal prefixes (env PD_PREFIX_CACHING=0|1)
+    kv_dtype: KVDtype = "float32"  # dtype of cached blocks and of KV on the wire; float16 halves both (compute stays float32)
 
     def __post_init__(self) -> None:
         check(bool(self.model.strip()), "model", "must not be empty")
@@ -132,7 +137,8 @@ def ignored_fields(config: EngineConfig, raw: dict[str, Any]) -> list[tuple[str,
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None,
                 env: Mapping[str, str] | None = None) -> tuple[EngineConfig, dict[str, Any]]:
     """Read and validate `path`, apply CLI `overrides` (dotted keys), then `KV_TRANSFER_PORT` from
-    `env` (default os.environ) on a KV consumer unless `--kv-port` set the port; return (config, raw file dict).
+    `env` (default os.environ) on a KV consumer unless `--kv-port` set the port, and PD_PREFIX_CACHING;
+    return (config, raw file dict).
 
     Overrides go through the same validation, so a bad `--kv-port` fails like a bad file value and a
     bad KV_TRANSFER_PORT names the variable.
@@ -149,9 +155,15 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None,
         for parent in parents:
             target = target.setdefault(parent, {})
         target[leaf] = value
+    environ = os.environ if env is None else env
+    caching = environ.get(PREFIX_CACHING_ENV, "").strip()
+    if caching:
+        if caching not in ("0", "1"):
+            raise ConfigError("environment", PREFIX_CACHING_ENV, f"must be 0 or 1, got {caching!r}")
+        merged["prefix_caching"] = caching == "1"
     config = build(EngineConfig, merged, path)
     if config.is_kv_consumer and (overrides or {}).get("kv_transfer_config.kv_port") is None:
-        port = _env_kv_port(os.environ if env is None else env)
+        port = _env_kv_port(environ)
         if port is not None:
             config = replace(config, kv_transfer_config=replace(config.kv_transfer_config, kv_port=port))
     return config, raw

@@ -1,8 +1,9 @@
 """The PD hand-off on the engine side (design §2): each leg, from the parsed request to the scheduler.
 
 Prefill leg (`kv_transfer_params.do_remote_decode`): `prefill` runs the prompt to its first token
-(`Scheduler.prefill`), pushes that KV and token to `decode_kv_addr` (kv_transfer.py), gives the
-cache back to the pool and returns the `kv_transfer_params` the router copies into the decode leg.
+(`Scheduler.prefill`) while the push to `decode_kv_addr` (kv_transfer.py) streams each finished
+layer — only the blocks decode does not already hold — then sends the first token, gives the cache
+back to the pool and returns the `kv_transfer_params` the router copies into the decode leg.
 
 Decode leg (`do_remote_prefill`): `decode` claims the transfer from the receive buffer
 (kv_consumer.py), checks it belongs to this prompt, and hands the scheduler plain arrays and the
@@ -17,21 +18,22 @@ arrays and tokens only.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from stack.common import events
 from stack.common.logging import log_event
-from stack.engine import kv_wire
 from stack.engine.config import EngineConfig
 from stack.engine.errors import KVTransferError
 from stack.engine.kv_consumer import KVConsumer, ReceivedKV
-from stack.engine.kv_transfer import KVProducer, prompt_hash, split_addr
-from stack.engine.kv_wire import KVHeader
+from stack.engine.kv_transfer import KVProducer, LayerStream, prompt_hash, split_addr
+from stack.engine.kv_wire import KVHeader, KVTrailer
 from stack.engine.metrics import EngineMetrics
 from stack.engine.model import Model
 from stack.engine.protocol import CompletionRequest, KVTransferParams
-from stack.engine.scheduler import Output, PromptKV, Scheduler, Sequence, TokenLogprob
+from stack.engine.scheduler import Scheduler
+from stack.engine.sequence import Output, PromptKV, Sequence, TokenLogprob
 
 
 def pd_leg(req: CompletionRequest) -> Literal["prefill", "decode"] | None:
@@ -47,6 +49,7 @@ class PrefillLeg:
 
     output: Output  # finish_reason error | abort: the step failed or the engine stops; nothing was pushed
     kv_transfer_params: dict[str, Any] | None
+    cached_tokens: int = 0  # prompt tokens this prefill took from its prefix cache
 
 
 class KVHandoff:
@@ -60,7 +63,8 @@ class KVHandoff:
         kv = config.kv_transfer_config
         self.consumer: KVConsumer | None = None
         if config.is_kv_consumer:
-            self.consumer = KVConsumer(fingerprint=model.fingerprint, buffer_size=kv.buffer_bytes, lease_ms=kv.kv_lease_ms, metrics=self.metrics)
+            self.consumer = KVConsumer(fingerprint=model.fingerprint, buffer_size=kv.buffer_bytes, lease_ms=kv.kv_lease_ms, metrics=self.metrics,
+                                       prefix=scheduler.prefix if scheduler.prefix.enabled else None)
         self.producer = KVProducer(io_timeout_s=max(kv.kv_transfer_timeout_ms, 1000) / 1000)
 
     async def start(self) -> None:
@@ -95,15 +99,28 @@ class KVHandoff:
                 "send do_remote_decode requests to a prefill engine",
             )
         prompt = list(req.prompt_tokens)
-        prefilled = await self.scheduler.prefill(request_id, prompt, req.sampling)
+        stream = LayerStream()
+        push = asyncio.ensure_future(self._push(request_id, params, prompt, stream))
+        prefilled = None
         try:
-            if prefilled.kv is None:
+            prefilled = await self.scheduler.prefill(request_id, prompt, req.sampling, on_layer=stream.layer_done)
+            kv = prefilled.kv
+            if kv is None:
+                stream.abort()
+                await asyncio.gather(push, return_exceptions=True)  # the push ends at once; nothing to report
                 return PrefillLeg(prefilled.output, None)
-            await self._push(request_id, params, prompt, prefilled.kv)
+            lp = kv.first_logprob
+            stream.finish(KVTrailer(kv.first_token, kv.seed, first_logprob=None if lp is None else (lp.token, lp.logprob, [list(t) for t in lp.top]),
+                                    cached_tokens=kv.cached_tokens))
+            await push
         finally:
-            prefilled.release()  # pushed or not, the pool gets the cache back
+            stream.abort()  # no-op after finish: the sender has stopped reading
+            if not push.done():
+                push.cancel()
+            if prefilled is not None:
+                prefilled.release()  # pushed or not, the pool gets the cache back
         host, port = split_addr(params.decode_kv_addr)
-        return PrefillLeg(prefilled.output, {
+        return PrefillLeg(prefilled.output, cached_tokens=prefilled.kv.cached_tokens, kv_transfer_params={
             "do_remote_decode": False,
             "do_remote_prefill": True,
             "transfer_id": params.transfer_id,
@@ -112,31 +129,27 @@ class KVHandoff:
             "remote_port": port,
         })
 
-    async def _push(self, request_id: str, params: KVTransferParams, prompt: list[int], kv: PromptKV) -> None:
+    async def _push(self, request_id: str, params: KVTransferParams, prompt: list[int], stream: LayerStream) -> None:
         assert params.decode_kv_addr is not None, "push needs decode_kv_addr"
-        cfg = self.model.config
-        payload = kv_wire.segments(kv.k, kv.v, len(prompt))  # views into the pool cache: sent without copies
+        cfg, prefix = self.model.config, self.scheduler.prefix
         header = KVHeader(
             transfer_id=params.transfer_id,
             request_id=request_id,
             fingerprint=self.model.fingerprint,
-            dtype=kv_wire.DTYPE,
+            dtype=self.config.kv_dtype,
             n_layers=cfg.n_layers,
             n_kv_heads=cfg.n_kv_heads,
             head_dim=cfg.head_dim,
             num_tokens=len(prompt),
-            first_token=kv.first_token,
-            seed=kv.seed,
             prompt_hash=prompt_hash(prompt),
-            total_bytes=sum(p.nbytes for p in payload),
-            checksums=tuple(kv_wire.checksum(p) for p in payload),
-            first_logprob=None if kv.first_logprob is None else (kv.first_logprob.token, kv.first_logprob.logprob,
-                                                                 [list(t) for t in kv.first_logprob.top]),
+            block_size=prefix.block_size,
+            block_hashes=tuple(prefix.hashes(prompt)),  # empty with prefix caching off: decode then reuses nothing
         )
         try:
-            result = await self.producer.push(header, payload, params.decode_kv_addr)
+            result = await self.producer.push(header, stream, params.decode_kv_addr)
         except KVTransferError as err:
-            self.metrics.on_kv_failed("send", err.reason)
+            if err.reason != "aborted":  # the prefill itself failed; its error is the answer
+                self.metrics.on_kv_failed("send", err.reason)
             raise
         self.metrics.on_kv_sent(result.bytes, result.transfer_ms / 1000)
 
@@ -151,11 +164,12 @@ class KVHandoff:
         received = await self._claim(req)
         if received is None:
             return self.scheduler.submit(request_id, prompt, req.sampling)
-        header = received.header
+        trailer = received.trailer
         try:
-            lp = header.first_logprob
+            lp = trailer.first_logprob
             first_logprob = None if lp is None else TokenLogprob(int(lp[0]), float(lp[1]), tuple((int(i), float(x)) for i, x in lp[2]))
-            kv = PromptKV(received.k, received.v, header.first_token, header.seed, first_logprob)
+            kv = PromptKV(received.k, received.v, trailer.first_token, trailer.seed, first_logprob, prefix=tuple(received.reused),
+                          cached_tokens=trailer.cached_tokens)
             seq = self.scheduler.submit(request_id, prompt, req.sampling, kv)
         except BaseException:  # CacheCapacityError: the scheduler never took the arrays
             received.release()

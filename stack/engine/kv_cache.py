@@ -6,11 +6,17 @@ contiguous `KVCache` of exactly that capacity, so a running request never needs 
 admission either fits now, waits (`allocate` returns None), or is refused up front
 (`can_ever_fit` is False). The pool therefore never over-allocates, at the price of reserving
 memory for tokens that a request may not generate (no paging, no preemption).
+
+The prefix cache (prefix_cache.py) keeps finished requests' full blocks in the blocks nobody
+reserved: `take_block`/`give_blocks` move them, and `allocate` asks its `evictor` to free
+unpinned cached blocks when a reservation would not fit otherwise.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from typing import Protocol
 
 from stack.engine.errors import CacheCapacityError
 from stack.engine.weights import ModelConfig
@@ -90,6 +96,15 @@ class KVCache:
         return cache
 
 
+class Evictor(Protocol):
+    """What the pool asks for room: the prefix cache."""
+
+    @property
+    def evictable(self) -> int: ...
+
+    def evict(self, wanted: int) -> int: ...
+
+
 class KVPool:
     """Fixed-size blocks counted against a byte budget; see the module docstring for the policy."""
 
@@ -101,6 +116,7 @@ class KVPool:
         self.budget_bytes = budget_bytes
         self.total_blocks = budget_bytes // self.block_bytes
         self.free_blocks = self.total_blocks
+        self.evictor: Evictor | None = None  # the prefix cache, whose unpinned blocks count as reclaimable
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil
@@ -108,6 +124,11 @@ class KVPool:
     @property
     def used_bytes(self) -> int:
         return (self.total_blocks - self.free_blocks) * self.block_bytes
+
+    @property
+    def reclaimable_blocks(self) -> int:
+        """Free blocks plus cached ones nobody pins: what a reservation could get now."""
+        return self.free_blocks + (self.evictor.evictable if self.evictor is not None else 0)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """True if `num_tokens` fits the model's context and the whole (empty) pool."""
@@ -131,7 +152,10 @@ class KVPool:
         self.check_fits(num_tokens)
         blocks = self.blocks_for(num_tokens)
         if blocks > self.free_blocks:
-            return None
+            short = blocks - self.free_blocks
+            if self.evictor is None or self.evictor.evictable < short:  # evict nothing for a reservation that still would not fit
+                return None
+            self.evictor.evict(short)
         self.free_blocks -= blocks
         return KVCache(self.config, blocks * self.block_size, blocks)
 
@@ -140,3 +164,15 @@ class KVPool:
         self.free_blocks += cache.blocks
         assert self.free_blocks <= self.total_blocks, f"pool overflow: {self.free_blocks} > {self.total_blocks}"
         cache.blocks = 0
+
+    def take_block(self) -> bool:
+        """One block for the prefix cache: a free one, else an evicted older cached one; False if none."""
+        if self.free_blocks == 0 and (self.evictor is None or self.evictor.evict(1) == 0):
+            return False
+        self.free_blocks -= 1
+        return True
+
+    def give_blocks(self, count: int) -> None:
+        """The prefix cache evicted `count` blocks."""
+        self.free_blocks += count
+        assert self.free_blocks <= self.total_blocks, f"pool overflow: {self.free_blocks} > {self.total_blocks}"

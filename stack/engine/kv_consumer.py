@@ -7,6 +7,12 @@ buffer (`kv_buffer_size` bounds in-flight + held + claimed-but-not-yet-loaded by
 waits for its decode request (`claim`, bounded by kv_transfer_timeout_ms); KV nobody claims is
 freed when its lease (kv_lease_ms) runs out, so the buffer always returns to 0. Receive arrays are
 recycled within the same budget: first-touch page faults on fresh memory cost more than the copy.
+
+Prefix reuse: on the header, the leading prompt blocks this engine's prefix cache holds (by hash)
+are pinned for the transfer and announced in the accept reply (`reused_blocks`); only the rest is
+received, and the pins go when the decode request has copied the blocks in (or the KV is dropped).
+Deciding here, on the socket, rather than in the router keeps one source of truth: the cache that
+evicts is the one that answers, and the pin closes the race between the answer and the use.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ from stack.common.logging import log_event
 from stack.engine.metrics import EngineMetrics
 from stack.engine import kv_wire
 from stack.engine.errors import KVTransferError
-from stack.engine.kv_wire import KVHeader, Reply, WireError
+from stack.engine.kv_wire import KVHeader, KVTrailer, Reply, WireError
+from stack.engine.prefix_cache import Block, PrefixCache
 
 
 RECYCLE_ROUND_TOKENS = 128  # receive arrays come in multiples of this many tokens, so they fit again
@@ -39,40 +46,68 @@ class ReceiveArrays:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def fits(self, header: KVHeader) -> bool:
-        return self.k.shape[0] == header.n_layers and self.k.shape[2:] == header.layer_shape[1:] and self.k.shape[1] >= header.num_tokens
+    def fits(self, header: KVHeader, tokens: int) -> bool:
+        return (self.k.dtype == np.dtype(header.dtype) and self.k.shape[0] == header.n_layers
+                and self.k.shape[2:] == (header.n_kv_heads, header.head_dim) and self.k.shape[1] >= tokens)
+
+
+@dataclass(eq=False)
+class Reservation:
+    """An admitted transfer's share of the receive buffer and the cached blocks it reuses (pinned)."""
+
+    header: KVHeader
+    reused: list[Block]  # the leading prompt blocks this engine holds: not sent
+    nbytes: int  # payload bytes (what the buffer counts)
+    arrays: ReceiveArrays | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Positions the payload holds: [start, num_tokens)."""
+        return self.header.num_tokens - self.header.start(len(self.reused))
 
 
 @dataclass(eq=False)
 class ReceivedKV:
     """A complete, verified transfer held in the receive buffer until its decode request loads it."""
 
-    header: KVHeader
-    arrays: ReceiveArrays
+    reservation: Reservation
+    trailer: KVTrailer
     peer: str
     consumer: KVConsumer
     released: bool = False
 
     @property
+    def header(self) -> KVHeader:
+        return self.reservation.header
+
+    @property
+    def reused(self) -> list[Block]:
+        return self.reservation.reused
+
+    @property
     def k(self) -> np.ndarray:
-        return self.arrays.k[:, : self.header.num_tokens]  # (n_layers, num_tokens, n_kv_heads, head_dim)
+        assert self.reservation.arrays is not None
+        return self.reservation.arrays.k[:, : self.reservation.tokens]  # (n_layers, num_tokens - start, n_kv_heads, head_dim)
 
     @property
     def v(self) -> np.ndarray:
-        return self.arrays.v[:, : self.header.num_tokens]  # (n_layers, num_tokens, n_kv_heads, head_dim)
+        assert self.reservation.arrays is not None
+        return self.reservation.arrays.v[:, : self.reservation.tokens]
 
     def release(self) -> None:
-        """Return its bytes to the receive buffer (after loading into the KV pool, or on abort)."""
+        """Return its bytes to the receive buffer and unpin its blocks (after loading into the KV pool, or on abort)."""
         if not self.released:
             self.released = True
-            self.consumer.free(self.header, self.arrays)
+            self.consumer.free(self.reservation)
 
 
 class KVConsumer:
     """The decode side's KV listener and receive buffer."""
 
-    def __init__(self, *, fingerprint: str, buffer_size: int, lease_ms: int, metrics: EngineMetrics | None = None) -> None:
+    def __init__(self, *, fingerprint: str, buffer_size: int, lease_ms: int, metrics: EngineMetrics | None = None,
+                 prefix: PrefixCache | None = None) -> None:
         self.metrics = metrics or EngineMetrics()
+        self.prefix = prefix  # this engine's prefix cache: blocks it holds are not received again
         self.fingerprint = fingerprint
         self.buffer_size = buffer_size
         self.lease_ms = lease_ms
@@ -145,13 +180,13 @@ class KVConsumer:
             self._leases.pop(transfer_id).cancel()
         wait_ms = round((time.monotonic() - started) * 1000, 1)
         log_event(events.KV_CONSUMER_CLAIMED, f"claimed KV of transfer {transfer_id} ({received.header.num_tokens} tokens) after {wait_ms} ms",
-                  transfer_id=transfer_id, wait_ms=wait_ms, num_tokens=received.header.num_tokens, bytes=received.header.total_bytes)
+                  transfer_id=transfer_id, wait_ms=wait_ms, num_tokens=received.header.num_tokens, bytes=received.reservation.nbytes)
         return received
 
     # -- called by _Connection -----------------------------------------------------------------
 
-    def admit(self, header: KVHeader, peer: str) -> Reply:
-        """Accept or reject a transfer from its header, before any payload is read."""
+    def admit(self, header: KVHeader, peer: str) -> tuple[Reply, Reservation | None]:
+        """Accept (with the reservation) or reject a transfer from its header, before any payload is read."""
         tid, rid = header.transfer_id, header.request_id
         if header.fingerprint != self.fingerprint:
             msg = (f"model fingerprint mismatch: this decode runs {self.fingerprint}, the prefill sent {header.fingerprint}; "
@@ -159,85 +194,103 @@ class KVConsumer:
             log_event(events.KV_CONSUMER_FINGERPRINT_MISMATCH, msg, "ERROR", request_id=rid, transfer_id=tid,
                       local=self.fingerprint, remote=header.fingerprint, peer=peer)
             self.metrics.on_kv_failed("receive", "fingerprint_mismatch")
-            return Reply(False, "fingerprint_mismatch", msg, {"local": self.fingerprint, "remote": header.fingerprint})
-        if self.buffer_used + header.total_bytes > self.buffer_size:
-            msg = (f"KV transfer of {header.total_bytes} bytes ({header.num_tokens} tokens) does not fit the receive buffer: "
+            return Reply(False, "fingerprint_mismatch", msg, {"local": self.fingerprint, "remote": header.fingerprint}), None
+        reused = self._reusable(header)
+        nbytes = header.payload_bytes(len(reused))
+        if self.buffer_used + nbytes > self.buffer_size:
+            msg = (f"KV transfer of {nbytes} bytes ({header.num_tokens} tokens) does not fit the receive buffer: "
                    f"kv_buffer_size={self.buffer_size} bytes, {self.buffer_used} in use")
-            log_event(events.KV_CONSUMER_BUFFER_FULL, msg, "ERROR", request_id=rid, transfer_id=tid, bytes=header.total_bytes,
+            log_event(events.KV_CONSUMER_BUFFER_FULL, msg, "ERROR", request_id=rid, transfer_id=tid, bytes=nbytes,
                       kv_buffer_size=self.buffer_size, buffer_used=self.buffer_used, peer=peer)
             self.metrics.on_kv_failed("receive", "buffer_full")
-            return Reply(False, "buffer_full", msg, {"bytes": header.total_bytes, "kv_buffer_size": self.buffer_size, "buffer_used": self.buffer_used})
+            return Reply(False, "buffer_full", msg, {"bytes": nbytes, "kv_buffer_size": self.buffer_size, "buffer_used": self.buffer_used}), None
         if tid in self._held or tid in self._inflight:
-            return self._protocol_error(rid, tid, peer, "duplicate_transfer", f"transfer id {tid} is already held or arriving")
+            return self._protocol_error(rid, tid, peer, "duplicate_transfer", f"transfer id {tid} is already held or arriving"), None
         if tid in self._expired:
             return self._protocol_error(rid, tid, peer, "claim_expired",
-                                        f"the decode request for transfer {tid} already gave up waiting (kv_transfer_timeout_ms)")
-        self.buffer_used += header.total_bytes
+                                        f"the decode request for transfer {tid} already gave up waiting (kv_transfer_timeout_ms)"), None
+        if self.prefix is not None:
+            self.prefix.pin(reused)
+        self.buffer_used += nbytes
         self._inflight.add(tid)
-        return Reply(True, "accepted", "send the payload")
+        return Reply(True, "accepted", "send the payload", {"reused_blocks": len(reused), "bytes": nbytes}), Reservation(header, reused, nbytes)
 
-    def receive_arrays(self, header: KVHeader) -> ReceiveArrays:
+    def _reusable(self, header: KVHeader) -> list[Block]:
+        """The leading blocks of the header's prompt this engine's prefix cache holds (same block size only)."""
+        if self.prefix is None or header.block_size != self.prefix.block_size:
+            return []
+        return self.prefix.match(header.block_hashes, header.max_reuse())
+
+    def receive_arrays(self, res: Reservation) -> ReceiveArrays:
         """Arrays for an admitted transfer: a recycled pair that fits, else new ones (idle pairs make room)."""
-        fitting = [a for a in self._idle if a.fits(header)]
+        header, tokens = res.header, res.tokens
+        fitting = [a for a in self._idle if a.fits(header, tokens)]
         if fitting:
             arrays = min(fitting, key=lambda a: a.nbytes)
             self._idle.remove(arrays)
+            res.arrays = arrays
             return arrays
-        capacity = -(-header.num_tokens // RECYCLE_ROUND_TOKENS) * RECYCLE_ROUND_TOKENS
-        slack = (capacity - header.num_tokens) * header.total_bytes // header.num_tokens
+        capacity = -(-tokens // RECYCLE_ROUND_TOKENS) * RECYCLE_ROUND_TOKENS
+        slack = (capacity - tokens) * res.nbytes // tokens
         if slack > self.buffer_size - self.buffer_used:  # no room to round up: exact size (the reservation is already in)
-            capacity = header.num_tokens
+            capacity = tokens
         shape = (header.n_layers, capacity, header.n_kv_heads, header.head_dim)
-        arrays = ReceiveArrays(np.empty(shape, np.float32), np.empty(shape, np.float32))
-        self._trim_idle(self.buffer_size - self.buffer_used - (arrays.nbytes - header.total_bytes))  # used has this transfer
+        arrays = ReceiveArrays(np.empty(shape, header.dtype), np.empty(shape, header.dtype))
+        self._trim_idle(self.buffer_size - self.buffer_used - (arrays.nbytes - res.nbytes))  # used has this transfer
+        res.arrays = arrays
         return arrays
 
-    def free(self, header: KVHeader, arrays: ReceiveArrays) -> None:
-        """A transfer's bytes leave the buffer; its arrays wait for the next transfer if the budget allows."""
-        self.buffer_used -= header.total_bytes
-        self._idle.append(arrays)
+    def free(self, res: Reservation) -> None:
+        """A transfer's bytes leave the buffer and its pins go; its arrays wait for the next transfer if the budget allows."""
+        self.buffer_used -= res.nbytes
+        if self.prefix is not None:
+            self.prefix.unpin(res.reused)
+        if res.arrays is not None:
+            self._idle.append(res.arrays)
         self._trim_idle(self.buffer_size - self.buffer_used)
 
     def _trim_idle(self, keep_bytes: int) -> None:
         while self._idle and sum(a.nbytes for a in self._idle) > max(keep_bytes, 0):
             self._idle.remove(max(self._idle, key=lambda a: a.nbytes))
 
-    def complete(self, header: KVHeader, arrays: ReceiveArrays, peer: str, receive_s: float, actual: list[str]) -> Reply:
-        """The payload is in, `actual` holds its segment checksums: hold it for its claimer, or drop it."""
+    def complete(self, res: Reservation, trailer: KVTrailer, peer: str, receive_s: float, actual: list[str]) -> Reply:
+        """The payload and trailer are in, `actual` holds the segment checksums: hold it for its claimer, or drop it."""
+        header = res.header
         tid, rid = header.transfer_id, header.request_id
         self._inflight.discard(tid)
-        bad = [i for i, (a, e) in enumerate(zip(actual, header.checksums, strict=True)) if a != e]
+        bad = [i for i, (a, e) in enumerate(zip(actual, trailer.checksums, strict=True)) if a != e]
         if bad:
-            self.free(header, arrays)
+            self.free(res)
             i = bad[0]
             msg = (f"KV payload checksum mismatch in {len(bad)} of {len(actual)} segments (first: layer {i // 2} "
-                   f"{'KV'[i % 2]}: expected {header.checksums[i]}, got {actual[i]}); the KV was dropped")
+                   f"{'KV'[i % 2]}: expected {trailer.checksums[i]}, got {actual[i]}); the KV was dropped")
             log_event(events.KV_CONSUMER_CHECKSUM_MISMATCH, msg, "ERROR", request_id=rid, transfer_id=tid,
-                      expected=header.checksums[i], actual=actual[i], bad_segments=len(bad), peer=peer)
+                      expected=trailer.checksums[i], actual=actual[i], bad_segments=len(bad), peer=peer)
             self.metrics.on_kv_failed("receive", "checksum_mismatch")
-            return Reply(False, "checksum_mismatch", msg, {"expected": header.checksums[i], "actual": actual[i]})
-        received = ReceivedKV(header, arrays, peer, self)
-        self.metrics.on_kv_received(header.total_bytes, receive_s)
-        gbps = round(header.total_bytes / max(receive_s, 1e-9) / 1e9, 3)
-        log_event(events.KV_CONSUMER_RECEIVED, f"received {header.num_tokens} tokens of KV ({header.total_bytes} bytes) from {peer}",
-                  request_id=rid, transfer_id=tid, num_tokens=header.num_tokens, bytes=header.total_bytes, peer=peer,
-                  receive_ms=round(receive_s * 1000, 3), gbps=gbps)
+            return Reply(False, "checksum_mismatch", msg, {"expected": trailer.checksums[i], "actual": actual[i]})
+        received = ReceivedKV(res, trailer, peer, self)
+        self.metrics.on_kv_received(res.nbytes, receive_s, len(res.reused))
+        gbps = round(res.nbytes / max(receive_s, 1e-9) / 1e9, 3)
+        log_event(events.KV_CONSUMER_RECEIVED, f"received {header.num_tokens} tokens of KV ({res.nbytes} bytes, {len(res.reused)} blocks "
+                  f"reused) from {peer}", request_id=rid, transfer_id=tid, num_tokens=header.num_tokens, bytes=res.nbytes, peer=peer,
+                  receive_ms=round(receive_s * 1000, 3), gbps=gbps, reused_blocks=len(res.reused))
         waiter = self._waiters.get(tid)
         if waiter is not None and not waiter.done():
             waiter.set_result(received)
         else:
             self._held[tid] = received
             self._leases[tid] = asyncio.get_running_loop().call_later(self.lease_ms / 1000, self._expire, tid)
-        return Reply(True, "stored", "KV stored", {"bytes": header.total_bytes})
+        return Reply(True, "stored", "KV stored", {"bytes": res.nbytes})
 
-    def abort_inflight(self, header: KVHeader, arrays: ReceiveArrays, received_bytes: int, peer: str) -> None:
+    def abort_inflight(self, res: Reservation, received_bytes: int, peer: str) -> None:
         """The connection closed mid-payload: drop the reservation."""
+        header = res.header
         self._inflight.discard(header.transfer_id)
-        self.free(header, arrays)
+        self.free(res)
         self.metrics.on_kv_failed("receive", "incomplete")
-        log_event(events.KV_CONSUMER_INCOMPLETE, f"KV connection from {peer} closed after {received_bytes} of {header.total_bytes} payload bytes",
+        log_event(events.KV_CONSUMER_INCOMPLETE, f"KV connection from {peer} closed after {received_bytes} of {res.nbytes} payload bytes",
                   "ERROR", request_id=header.request_id, transfer_id=header.transfer_id, received=received_bytes,
-                  bytes=header.total_bytes, peer=peer)
+                  bytes=res.nbytes, peer=peer)
 
     def protocol_error(self, peer: str, error: str) -> Reply:
         return self._protocol_error("-", None, peer, "bad_header", error)
@@ -255,8 +308,8 @@ class KVConsumer:
         received.release()
         self.metrics.on_kv_failed("receive", "lease_expired")
         log_event(events.KV_CONSUMER_LEASE_EXPIRED,
-                  f"freed {received.header.total_bytes} bytes of KV for transfer {tid}: no decode request claimed it within kv_lease_ms={self.lease_ms}",
-                  "WARNING", request_id=received.header.request_id, transfer_id=tid, bytes=received.header.total_bytes,
+                  f"freed {received.reservation.nbytes} bytes of KV for transfer {tid}: no decode request claimed it within kv_lease_ms={self.lease_ms}",
+                  "WARNING", request_id=received.header.request_id, transfer_id=tid, bytes=received.reservation.nbytes,
                   lease_ms=self.lease_ms, buffer_used=self.buffer_used)
 
     def _remember_expired(self, tid: str) -> None:
@@ -267,14 +320,13 @@ class KVConsumer:
 
 
 class _Connection(asyncio.BufferedProtocol):
-    """One incoming transfer: preamble → header → (reply) → payload straight into numpy → ack."""
+    """One incoming transfer: preamble → header → (reply) → payload straight into numpy → trailer → ack."""
 
     def __init__(self, consumer: KVConsumer) -> None:
         self.consumer = consumer
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
-        self.header: KVHeader | None = None
-        self.arrays: ReceiveArrays | None = None
+        self.res: Reservation | None = None
         self.targets: list[memoryview] = []  # what the current stage fills, in order
         self.segments: list[np.ndarray] = []  # the payload's segments (views into k and v)
         self.checksums: list[str] = []  # of each payload segment received so far
@@ -318,31 +370,41 @@ class _Connection(asyncio.BufferedProtocol):
                 self._expect(bytearray(kv_wire.parse_preamble(bytes(self.raw))))
             elif self.stage == "header":
                 self._on_header(KVHeader.decode(bytes(self.raw)))
+            elif self.stage == "payload":
+                self.stage = "trailer_length"
+                self._expect(bytearray(kv_wire.TRAILER_PREFIX.size))
+            elif self.stage == "trailer_length":
+                self.stage = "trailer"
+                self._expect(bytearray(kv_wire.trailer_length(bytes(self.raw))))
             else:
-                self._on_payload()
+                self._on_trailer()
         except WireError as exc:
+            if self.res is not None and not self.done:  # a bad trailer: the reservation and its pins go
+                self.done = True
+                self.consumer.abort_inflight(self.res, self.payload_received, self.peer)
             self._finish(self.consumer.protocol_error(self.peer, str(exc)))
 
     def _on_header(self, header: KVHeader) -> None:
-        reply = self.consumer.admit(header, self.peer)
-        if not reply.ok:
+        reply, res = self.consumer.admit(header, self.peer)
+        if res is None:
             self._finish(reply)
             return
-        self.header = header
-        self.arrays = self.consumer.receive_arrays(header)
+        self.res = res
+        arrays = self.consumer.receive_arrays(res)
         self.stage = "payload"
-        self.segments = kv_wire.segments(self.arrays.k, self.arrays.v, header.num_tokens)
+        self.segments = kv_wire.segments(arrays.k, arrays.v, res.tokens)
         self._expect(*self.segments)
         self.payload_started = time.perf_counter()
         assert self.transport is not None
         self.deadline = asyncio.get_running_loop().call_later(self.consumer.lease_ms / 1000, self.transport.abort)
         self.transport.write(reply.encode())
 
-    def _on_payload(self) -> None:
-        assert self.header is not None and self.arrays is not None, "payload without header"
+    def _on_trailer(self) -> None:
+        assert self.res is not None, "trailer without header"
+        trailer = KVTrailer.decode(bytes(self.raw), self.res.header.n_layers)
         self.done = True
         receive_s = time.perf_counter() - self.payload_started
-        self._finish(self.consumer.complete(self.header, self.arrays, self.peer, receive_s, self.checksums))
+        self._finish(self.consumer.complete(self.res, trailer, self.peer, receive_s, self.checksums))
 
     def _finish(self, reply: Reply) -> None:
         self.done = True
@@ -356,5 +418,5 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.deadline is not None:
             self.deadline.cancel()
-        if self.stage == "payload" and not self.done and self.header is not None and self.arrays is not None:
-            self.consumer.abort_inflight(self.header, self.arrays, self.payload_received, self.peer)
+        if self.res is not None and not self.done:  # admitted, and the trailer never came
+            self.consumer.abort_inflight(self.res, self.payload_received, self.peer)

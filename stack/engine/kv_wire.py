@@ -3,12 +3,20 @@
 One TCP connection carries one transfer, producer (prefill) → consumer (decode):
 
     producer: PREAMBLE  = "PDKV" | u16 version | u32 header length      (network byte order)
-              HEADER    = UTF-8 JSON (`KVHeader`)
+              HEADER    = UTF-8 JSON (`KVHeader`): shapes, dtype, the hash of every full prompt block
     consumer: REPLY     = "PDKR" | u32 length | JSON {ok, code, message, …numbers}
               (ok=false: rejected before any payload moves — fingerprint, buffer, duplicate…)
-    producer: PAYLOAD   = for layer in 0..n_layers-1: K[layer, :num_tokens], V[layer, :num_tokens]
-              each (num_tokens, n_kv_heads, head_dim) little-endian float32, C order
+              ok: `reused_blocks` = r, the leading prompt blocks decode already holds (pinned for
+              this transfer); the payload starts at token s = r * block_size
+    producer: PAYLOAD   = for layer in 0..n_layers-1: K[layer, s:num_tokens], V[layer, s:num_tokens]
+              each (num_tokens - s, n_kv_heads, head_dim) little-endian `dtype`, C order; sent layer
+              by layer as prefill computes them
+    producer: TRAILER   = u32 length | JSON (`KVTrailer`): the first token, seed, checksums — what is
+              known only once prefill has finished
     consumer: REPLY     = the final ack: ok, or checksum_mismatch / shape error with the numbers
+
+A block hash covers the block's tokens, its parent's hash and the model fingerprint
+(prefix_cache.chain_hashes), so a hash decode holds is the same K/V prefill would send.
 
 The checksum is one per payload segment (2 per layer): the sum of the segment's 64-bit words
 modulo 2**64, as 16 hex digits. It runs at ~20 GB/s in numpy, where zlib.crc32 (~2 GB/s here) is
@@ -22,18 +30,22 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 MAGIC = b"PDKV"
 REPLY_MAGIC = b"PDKR"
-VERSION = 1
+VERSION = 2  # 2: block hashes, delta payload, dtype float32|float16, trailer after the streamed layers
 PREAMBLE = struct.Struct("!4sHI")  # magic, version, header length
+TRAILER_PREFIX = struct.Struct("!I")  # trailer JSON length
 REPLY_PREFIX = struct.Struct("!4sI")  # magic, JSON length
 MAX_HEADER_BYTES = 1 << 20  # a header is ~1-4 kB; anything bigger is not our protocol
-DTYPE = "float32"  # payload element type, little-endian
+DTYPES = ("float32", "float16")  # payload element types, little-endian
 CHECKSUM_ALGO = "sum64"
+
+
+T = TypeVar("T")
 
 
 class WireError(Exception):
@@ -47,27 +59,31 @@ class KVHeader:
     transfer_id: str  # chosen by the router; the decode leg claims the KV by it
     request_id: str  # X-Request-ID of the prefill leg (logs on both sides join on it)
     fingerprint: str  # model fingerprint (config + weights); must equal the consumer's
-    dtype: str  # "float32" (little-endian)
+    dtype: str  # "float32" | "float16" (little-endian): the sender's kv_dtype
     n_layers: int
     n_kv_heads: int
     head_dim: int
-    num_tokens: int  # prompt tokens whose K/V follow (per-layer K and V shape: (num_tokens, n_kv_heads, head_dim))
-    first_token: int  # the token prefill sampled from the last prompt position (generation step 0)
-    seed: int  # the sampling seed prefill used, so decode continues the same random stream at step 1
+    num_tokens: int  # prompt tokens (the payload holds positions [s, num_tokens), see the module docstring)
     prompt_hash: str  # blake2b of the prompt token ids: decode checks its prompt is the one prefilled
-    total_bytes: int  # payload bytes: 2 * n_layers * num_tokens * n_kv_heads * head_dim * 4
+    block_size: int = 16  # tokens per hashed block
+    block_hashes: tuple[str, ...] = ()  # hash chain of the prompt's full blocks (empty: the sender has no prefix cache)
     checksum_algo: str = CHECKSUM_ALGO
-    checksums: tuple[str, ...] = field(default_factory=tuple)  # per segment: K0, V0, K1, V1, …
     version: int = VERSION
-    first_logprob: tuple[Any, ...] | None = None  # [token, logprob, [[id, logprob], …]] when the request asked for logprobs
 
-    @property
-    def layer_shape(self) -> tuple[int, int, int]:
-        return (self.num_tokens, self.n_kv_heads, self.head_dim)
+    def start(self, reused_blocks: int) -> int:
+        """First payload position when decode holds `reused_blocks` leading blocks."""
+        return reused_blocks * self.block_size
 
-    @property
-    def segment_bytes(self) -> int:
-        return self.num_tokens * self.n_kv_heads * self.head_dim * np.dtype(np.float32).itemsize
+    def payload_bytes(self, reused_blocks: int) -> int:
+        """2 * n_layers * (num_tokens - s) * n_kv_heads * head_dim * itemsize."""
+        return 2 * self.n_layers * self.segment_bytes(reused_blocks)
+
+    def segment_bytes(self, reused_blocks: int) -> int:
+        return (self.num_tokens - self.start(reused_blocks)) * self.n_kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
+
+    def max_reuse(self) -> int:
+        """Blocks decode may skip: at least one token is always shipped, so a payload is never empty."""
+        return min(len(self.block_hashes), (self.num_tokens - 1) // self.block_size)
 
     def encode(self) -> bytes:
         body = json.dumps(asdict(self), separators=(",", ":")).encode()
@@ -75,22 +91,54 @@ class KVHeader:
 
     @classmethod
     def decode(cls, body: bytes) -> KVHeader:
-        try:
-            data = json.loads(body)
-            data["checksums"] = tuple(data.get("checksums", ()))
-            header = cls(**data)
-        except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as exc:
-            raise WireError(f"malformed KV header: {exc}") from None
-        if header.dtype != DTYPE or header.checksum_algo != CHECKSUM_ALGO:
-            raise WireError(f"unsupported dtype/checksum {header.dtype}/{header.checksum_algo}; expected {DTYPE}/{CHECKSUM_ALGO}")
-        if min(header.n_layers, header.n_kv_heads, header.head_dim, header.num_tokens) <= 0:
-            raise WireError(f"non-positive shape in KV header: {header.n_layers} layers, {header.layer_shape}")
-        if header.total_bytes != 2 * header.n_layers * header.segment_bytes or len(header.checksums) != 2 * header.n_layers:
-            raise WireError(
-                f"KV header is inconsistent: total_bytes {header.total_bytes} for {header.n_layers} layers of "
-                f"{header.layer_shape}, {len(header.checksums)} checksums"
-            )
+        header = _from_json(cls, body, "block_hashes", "header")
+        if header.dtype not in DTYPES or header.checksum_algo != CHECKSUM_ALGO:
+            raise WireError(f"unsupported dtype/checksum {header.dtype}/{header.checksum_algo}; expected one of {DTYPES}/{CHECKSUM_ALGO}")
+        if min(header.n_layers, header.n_kv_heads, header.head_dim, header.num_tokens, header.block_size) <= 0:
+            raise WireError(f"non-positive shape in KV header: {header.n_layers} layers, {header.num_tokens} tokens, "
+                            f"{header.n_kv_heads} x {header.head_dim}, block_size {header.block_size}")
+        if len(header.block_hashes) > header.num_tokens // header.block_size:
+            raise WireError(f"KV header is inconsistent: {len(header.block_hashes)} block hashes for {header.num_tokens} tokens")
         return header
+
+
+@dataclass(frozen=True)
+class KVTrailer:
+    """What follows the streamed layers: known only once prefill has sampled the first token."""
+
+    first_token: int  # the token prefill sampled from the last prompt position (generation step 0)
+    seed: int  # the sampling seed prefill used, so decode continues the same random stream at step 1
+    checksums: tuple[str, ...] = ()  # per payload segment: K0, V0, K1, V1, …
+    first_logprob: tuple[Any, ...] | None = None  # [token, logprob, [[id, logprob], …]] when the request asked for logprobs
+    cached_tokens: int = 0  # prompt tokens prefill took from its prefix cache (decode reports them in usage)
+
+    def encode(self) -> bytes:
+        body = json.dumps(asdict(self), separators=(",", ":")).encode()
+        return TRAILER_PREFIX.pack(len(body)) + body
+
+    @classmethod
+    def decode(cls, body: bytes, n_layers: int) -> KVTrailer:
+        trailer = _from_json(cls, body, "checksums", "trailer")
+        if len(trailer.checksums) != 2 * n_layers:
+            raise WireError(f"KV trailer has {len(trailer.checksums)} checksums for {n_layers} layers (2 per layer)")
+        return trailer
+
+
+def _from_json(cls: type[T], body: bytes, list_field: str, what: str) -> T:
+    """`cls(**json)` with `list_field` as a tuple; WireError naming `what` if it is not that."""
+    try:
+        data = json.loads(body)
+        data[list_field] = tuple(data.get(list_field, ()))
+        return cls(**data)
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError, AttributeError) as exc:
+        raise WireError(f"malformed KV {what}: {exc}") from None
+
+
+def trailer_length(data: bytes) -> int:
+    (length,) = TRAILER_PREFIX.unpack(data)
+    if not 0 < length <= MAX_HEADER_BYTES:
+        raise WireError(f"KV trailer length {length} outside 1..{MAX_HEADER_BYTES}")
+    return length
 
 
 def parse_preamble(data: bytes) -> int:
@@ -143,5 +191,13 @@ def segments(k: np.ndarray, v: np.ndarray, num_tokens: int) -> list[np.ndarray]:
     """
     out: list[np.ndarray] = []
     for layer in range(k.shape[0]):
-        out += [k[layer, :num_tokens], v[layer, :num_tokens]]
+        out += layer_segments(k, v, layer, 0, num_tokens)
     return out
+
+
+def layer_segments(k: np.ndarray, v: np.ndarray, layer: int, start: int, end: int, dtype: str | None = None) -> list[np.ndarray]:
+    """Layer `layer`'s K and V at positions [start, end): views, or copies in `dtype` when it differs."""
+    parts = [k[layer, start:end], v[layer, start:end]]  # (end - start, n_kv_heads, head_dim) each, contiguous
+    if dtype is None or parts[0].dtype == np.dtype(dtype):
+        return parts
+    return [p.astype(dtype) for p in parts]

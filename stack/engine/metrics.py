@@ -14,9 +14,12 @@ counters end in `_total` (prometheus-client adds it to `vllm:prompt_tokens`), an
   vllm:request_queue_time_seconds, vllm:request_prefill_time_seconds,
   vllm:request_decode_time_seconds, vllm:iteration_tokens_total                        (histograms)
 
-There is no prefix cache yet, so no `vllm:prefix_cache_queries/hits`. Ours (no vLLM equivalent):
+The prefix cache (prefix_cache.py) has vLLM v1's `vllm:prefix_cache_queries_total` and
+`vllm:prefix_cache_hits_total` (prompt tokens looked up / found cached, at admission: the hit rate is
+their ratio) and `vllm:kv_cache_usage_perc` counts cached blocks as free, as vLLM does (they are
+reclaimable). Ours (no vLLM equivalent): `pd_prefix_cache_evictions_total` (blocks),
 `pd_engine_busy_seconds_total` (step loop computing: its rate is the engine's utilisation),
-`pd_engine_steps_total`, `pd_engine_kv_blocks{state}`, and the KV transfer between prefill and decode:
+`pd_engine_steps_total`, `pd_engine_kv_blocks{state="used"|"cached"|"free"}`, and the KV transfer between prefill and decode:
 `pd_kv_transfer_bytes_total{side="send"|"receive"}`, `pd_kv_transfer_seconds{side}` (send: header
 to ack; receive: header to last byte), `pd_kv_transfer_failures_total{side,reason}` (reason: the
 KVTransferError reason or the consumer's reply code) and `pd_kv_receive_buffer_bytes{state="used"|"size"}`.
@@ -33,7 +36,8 @@ from stack.common.metrics import CONTENT_TYPE, Collector, Counter, GaugeSample, 
 
 if TYPE_CHECKING:
     from stack.engine.kv_consumer import KVConsumer
-    from stack.engine.scheduler import Scheduler, Sequence
+    from stack.engine.scheduler import Scheduler
+    from stack.engine.sequence import Sequence
 
 # vLLM's buckets (loggers.py), so quantiles compare across both engines.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -68,15 +72,20 @@ class EngineMetrics:
         self.steps = Counter("pd_engine_steps_total", "Engine steps (forward passes) run.", c)
         self.kv_bytes = Counter("pd_kv_transfer_bytes_total", "KV cache bytes moved between prefill and decode, by side.", c)
         self.kv_seconds = Histogram("pd_kv_transfer_seconds", "KV transfer time per side (send: header to ack; receive: header to last byte).", KV_BUCKETS, c)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries_total", "Prefix cache queries, in prompt tokens looked up.", c)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits_total", "Prefix cache hits, in prompt tokens found cached.", c)
+        self.prefix_evictions = Counter("pd_prefix_cache_evictions_total", "Cached KV blocks evicted (least recently used) to make room.", c)
+        self.kv_reused = Counter("pd_kv_transfer_reused_blocks_total", "KV blocks a transfer did not ship: decode already held them.", c)
         self.kv_failures = Counter("pd_kv_transfer_failures_total", "Failed KV transfers by side and reason.", c)
-        for counter in (self.prompt_tokens, self.generation_tokens, self.busy, self.steps):
+        for counter in (self.prompt_tokens, self.generation_tokens, self.busy, self.steps, self.prefix_queries, self.prefix_hits,
+                        self.prefix_evictions):
             counter.inc(0)  # a series from the first scrape: rate() works before the first request
         self._collectors: list[Collector] = []
         self._gauge_help = {
             "vllm:num_requests_running": "Number of requests in model execution batches.",
             "vllm:num_requests_waiting": "Number of requests waiting to be processed.",
             "vllm:kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
-            "pd_engine_kv_blocks": "KV pool blocks by state (used, free).",
+            "pd_engine_kv_blocks": "KV pool blocks by state (used: reserved by requests, cached: prefix cache, free).",
             "pd_kv_receive_buffer_bytes": "Decode's KV receive buffer: bytes used and its size (kv_buffer_size).",
             "pd_kv_held_transfers": "Transfers received and not yet claimed by their decode request.",
         }
@@ -111,13 +120,23 @@ class EngineMetrics:
             self.decode.observe(decode)
             self.tpot.observe(decode / (len(seq.output) - 1))
 
+    # -- prefix cache ----------------------------------------------------------------------------
+
+    def on_prefix_lookup(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.prefix_queries.inc(queried_tokens)
+        self.prefix_hits.inc(hit_tokens)
+
+    def on_prefix_evicted(self, blocks: int) -> None:
+        self.prefix_evictions.inc(blocks)
+
     # -- KV transfer -----------------------------------------------------------------------------
 
     def on_kv_sent(self, nbytes: int, seconds: float) -> None:
         self.kv_bytes.inc(nbytes, side="send")
         self.kv_seconds.observe(seconds, side="send")
 
-    def on_kv_received(self, nbytes: int, seconds: float) -> None:
+    def on_kv_received(self, nbytes: int, seconds: float, reused_blocks: int = 0) -> None:
+        self.kv_reused.inc(reused_blocks)
         self.kv_bytes.inc(nbytes, side="receive")
         self.kv_seconds.observe(seconds, side="receive")
 
@@ -131,12 +150,13 @@ class EngineMetrics:
         c = self.const
 
         def collect() -> Iterable[GaugeSample]:
-            pool = scheduler.pool
-            used = pool.total_blocks - pool.free_blocks
+            pool, cached = scheduler.pool, len(scheduler.prefix.blocks)
+            used = pool.total_blocks - pool.free_blocks - cached
             yield "vllm:num_requests_running", c, len(scheduler.running)
             yield "vllm:num_requests_waiting", c, len(scheduler.waiting)
             yield "vllm:kv_cache_usage_perc", c, used / pool.total_blocks if pool.total_blocks else 0.0
             yield "pd_engine_kv_blocks", {**c, "state": "used"}, used
+            yield "pd_engine_kv_blocks", {**c, "state": "cached"}, cached
             yield "pd_engine_kv_blocks", {**c, "state": "free"}, pool.free_blocks
             if consumer is not None:
                 yield "pd_kv_receive_buffer_bytes", {**c, "state": "used"}, consumer.buffer_used
@@ -149,7 +169,8 @@ class EngineMetrics:
         parts: list[str] = []
         for metric in (self.prompt_tokens, self.generation_tokens, self.request_success, self.ttft, self.itl, self.itl_old, self.tpot,
                        self.e2e, self.queue, self.prefill, self.decode, self.iteration_tokens, self.busy, self.steps,
-                       self.kv_bytes, self.kv_seconds, self.kv_failures):
+                       self.prefix_queries, self.prefix_hits, self.prefix_evictions, self.kv_bytes, self.kv_seconds, self.kv_reused,
+                       self.kv_failures):
             parts.extend(metric.render())
         parts.extend(render_gauges(self._gauge_help, self._collectors))
         return "".join(parts), CONTENT_TYPE

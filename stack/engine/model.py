@@ -11,6 +11,7 @@ segments, and a colocated step mixes both in one call. The `Model` holds no per-
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
@@ -60,8 +61,11 @@ def load_model(source: str, seed: int = 0) -> Model:
     return Model(name, config, weights, tokenizer, fingerprint(config, weights))
 
 
-def forward(model: Model, segments: list[Segment], all_logits: bool = False) -> np.ndarray | list[np.ndarray]:
+def forward(model: Model, segments: list[Segment], all_logits: bool = False,
+            on_layer: Callable[[int], None] | None = None) -> np.ndarray | list[np.ndarray]:
     """Run one step. Writes each segment's K/V into its cache and advances `cache.length`.
+
+    `on_layer(i)` is called once layer i's K/V of every segment are written (a PD prefill streams them).
 
     Returns (len(segments), vocab) logits of each segment's last token, or with `all_logits` a list
     of (T, vocab) arrays, one per segment. Raises `TokenRangeError` for ids outside the vocabulary.
@@ -109,6 +113,8 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False) -> 
             attend(groups[0])
         else:  # numpy releases the GIL inside each product and ufunc: the groups run on separate cores
             list(attention_pool().map(attend, groups))
+        if on_layer is not None:
+            on_layer(layer_index)
         x += attn.reshape(N, H * hd) @ layer.wo  # (N, dim)
         h = rms_norm(x, layer.mlp_norm, cfg.norm_eps)  # (N, dim)
         x += swiglu(h @ layer.w_gate_up) @ layer.w_down  # (N, dim)

@@ -286,10 +286,10 @@ class ResponseIds:
         return cls(f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{request_id}", int(time.time()), model)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """OpenAI usage; cached_tokens is 0: this engine has no prefix cache."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI usage; cached_tokens: prompt tokens whose KV came from the prefix cache, not computed."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": 0}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def choice_body(kind: Kind, index: int, text: str | None, finish_reason: str, logprobs: dict[str, Any] | None = None,
@@ -303,14 +303,15 @@ def choice_body(kind: Kind, index: int, text: str | None, finish_reason: str, lo
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def completion_body(kind: Kind, ids: ResponseIds, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def completion_body(kind: Kind, ids: ResponseIds, choices: list[dict[str, Any]], prompt_tokens: int, completion_tokens: int,
+                    cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "id": ids.id,
         "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": ids.created,
         "model": ids.model,
         "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens),
     }
 
 
@@ -331,7 +332,7 @@ def chunk_body(kind: Kind, ids: ResponseIds, text: str | None, finish_reason: st
     return {"id": ids.id, "object": obj, "created": ids.created, "model": ids.model, "choices": [choice]}
 
 
-def usage_chunk(kind: Kind, ids: ResponseIds, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage_chunk(kind: Kind, ids: ResponseIds, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """The final `stream_options.include_usage` chunk: empty `choices`, then `usage`."""
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {"id": ids.id, "object": obj, "created": ids.created, "model": ids.model, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+    return {"id": ids.id, "object": obj, "created": ids.created, "model": ids.model, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}

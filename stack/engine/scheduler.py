@@ -17,6 +17,10 @@ responsive. All state changes happen on the event loop between steps, so a cance
 cache the forward is writing. One algorithm serves every role: a prefill engine mostly sees
 prefills, a decode engine mostly decodes, a colocated one mixes them (the interference PD removes);
 with `chunked_prefill` a long prompt is cut to what the step budget leaves beside the decodes.
+
+Prefix caching (prefix_cache.py): at admission the leading cached blocks of the prompt are copied
+into the new cache and only the rest is computed; a prompt's full blocks are stored when its
+prefill is done, and the whole sequence's (prompt and output) when it finishes.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import random
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import numpy as np
@@ -38,90 +42,11 @@ from stack.engine.grammar import Constraint
 from stack.engine.kv_cache import KVCache, KVPool
 from stack.engine.metrics import EngineMetrics
 from stack.engine.model import Model, Segment, forward
+from stack.engine.prefix_cache import PrefixCache
 from stack.engine.protocol import SamplingParams
 from stack.engine.sampling import adjust, logprobs, sample
+from stack.engine.sequence import Output, Prefilled, PromptKV, Sequence, TokenLogprob
 from stack.engine.tokenizer import IncrementalDecoder
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One sampled token's log-probability and the most likely alternatives (raw model distribution)."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
-
-
-@dataclass(frozen=True)
-class Output:
-    """New text of one sequence since the last output; `finish_reason` set on the last one."""
-
-    text: str
-    num_tokens: int  # completion tokens so far
-    finish_reason: str | None = None  # stop | length | abort | error
-    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens sampled since the last output (params.logprobs set)
-    stop_reason: str | int | None = None  # vLLM's: the stop string or stop_token_id that ended it (None for EOS, length)
-
-
-@dataclass(frozen=True)
-class PromptKV:
-    """A prompt's K/V and the token sampled after it: what `prefill` lends and `submit(kv=…)` continues from."""
-
-    k: np.ndarray  # (n_layers, len(prompt), n_kv_heads, head_dim)
-    v: np.ndarray  # (n_layers, len(prompt), n_kv_heads, head_dim)
-    first_token: int  # sampled from the last prompt position (generation step 0)
-    seed: int  # the sampling seed of that token; the continuation keeps drawing from the same stream
-    first_logprob: TokenLogprob | None = None  # that token's logprobs, when the request asked for them
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One request inside the engine."""
-
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    seed: int  # the effective sampling seed (the request's, the given KV's, or a random one)
-    kv_read: asyncio.Future[None]  # done once `start_kv` is no longer read (copied in, or the sequence ended)
-    start_kv: PromptKV | None = None  # prompt KV + first token computed elsewhere, copied in at admission
-    keeps_cache: bool = False  # `prefill`: a finished sequence's cache stays reserved until `Prefilled.release`
-    cache: KVCache | None = None
-    num_computed: int = 0  # prompt tokens whose K/V are in the cache
-    output: list[int] = field(default_factory=list)
-    text: str = ""
-    sent: int = 0  # characters of `text` already emitted
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None  # see Output.stop_reason
-    cancelled: bool = False
-    queued_logged: bool = False
-    arrival: float = field(default_factory=time.perf_counter)
-    prefill_started: float | None = None
-    first_token_at: float = 0.0  # perf_counter times of its first and latest token (metrics)
-    last_token_at: float = 0.0
-    outputs: asyncio.Queue[Output] = field(default_factory=asyncio.Queue)
-    detok: IncrementalDecoder | None = None
-    choice: int = 0  # index among the request's n choices (its own seed stream)
-    constraint: Constraint | None = None  # the grammar the output follows (params.grammar)
-    counts: np.ndarray | None = None  # (vocab,) int32 output token counts, for the penalties
-    in_prompt: np.ndarray | None = None  # (vocab,) bool prompt tokens, for repetition_penalty
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # not yet emitted
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def prefilling(self) -> bool:
-        return self.num_computed < len(self.prompt)
-
-
-@dataclass(frozen=True)
-class Prefilled:
-    """A prompt run to its first token; its cache stays reserved in the pool until `release()`."""
-
-    output: Output  # the only output: the first token's text; finish_reason stop | length | error | abort
-    kv: PromptKV | None  # views into the pool cache; None when the step failed or the engine stopped
-    release: Callable[[], None]  # gives the cache back to the pool (idempotent); `kv` is invalid after it
 
 
 @dataclass
@@ -137,10 +62,11 @@ class Scheduler:
     """Owns the KV pool and the step loop; `submit` or `prefill` sequences, read `seq.outputs`, `cancel` them."""
 
     def __init__(self, model: Model, pool: KVPool, *, max_num_batched_tokens: int, max_num_seqs: int, chunked_prefill: bool,
-                 metrics: EngineMetrics | None = None) -> None:
+                 metrics: EngineMetrics | None = None, prefix: PrefixCache | None = None) -> None:
         self.metrics = metrics or EngineMetrics()
         self.model = model
         self.pool = pool
+        self.prefix = prefix or PrefixCache(pool, model.fingerprint, enabled=False)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.chunked_prefill = chunked_prefill
@@ -181,17 +107,20 @@ class Scheduler:
         """
         if kv is not None:
             cfg = self.model.config
-            shape = (cfg.n_layers, len(prompt), cfg.n_kv_heads, cfg.head_dim)
+            shape = (cfg.n_layers, len(prompt) - len(kv.prefix) * self.pool.block_size, cfg.n_kv_heads, cfg.head_dim)
             assert kv.k.shape == kv.v.shape == shape, f"prompt KV of shape {kv.k.shape}, {kv.v.shape}; expected {shape}"
         return self._queue(request_id, prompt, params, kv, keeps_cache=False, choice=choice)
 
-    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams) -> Prefilled:
+    async def prefill(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      on_layer: Callable[[int, KVCache], None] | None = None) -> Prefilled:
         """Run `prompt` to its first token (sampled as `submit` would) and lend out its KV.
 
         `params.max_tokens` is taken as 1. The cache stays reserved until `release()`; cancelling
-        the wait cancels the sequence and frees it.
+        the wait cancels the sequence and frees it. `on_layer(i, cache)` is called from the step
+        thread as soon as layer i of the whole prompt is in `cache` (its last chunk's forward).
         """
         seq = self._queue(request_id, prompt, replace(params, max_tokens=1), None, keeps_cache=True)
+        seq.on_layer = on_layer
         release = partial(self._release_kept, seq)
         try:
             out = await seq.outputs.get()  # one token: its output is the last one
@@ -205,7 +134,8 @@ class Scheduler:
             return Prefilled(out, None, release)
         n = len(prompt)
         first_logprob = out.logprobs[0] if out.logprobs else None
-        return Prefilled(out, PromptKV(cache.k[:, :n], cache.v[:, :n], seq.output[0], seq.seed, first_logprob), release)
+        return Prefilled(out, PromptKV(cache.k[:, :n], cache.v[:, :n], seq.output[0], seq.seed, first_logprob,
+                                       cached_tokens=seq.cached_tokens), release)
 
     def cancel(self, seq: Sequence) -> None:
         """The client went away: stop the sequence and free its KV before the next step."""
@@ -218,8 +148,9 @@ class Scheduler:
         return {
             "waiting": len(self.waiting),
             "running": len(self.running),
-            "kv_free_blocks": self.pool.free_blocks,
+            "kv_free_blocks": self.pool.reclaimable_blocks,  # unpinned cached blocks count as free
             "kv_total_blocks": self.pool.total_blocks,
+            "kv_cached_blocks": len(self.prefix.blocks),
         }
 
     def _queue(self, request_id: str, prompt: list[int], params: SamplingParams, kv: PromptKV | None, *, keeps_cache: bool,
@@ -234,6 +165,7 @@ class Scheduler:
             kv_read.set_result(None)
         seq = Sequence(request_id, list(prompt), params, seed, kv_read, start_kv=kv, keeps_cache=keeps_cache, choice=choice)
         seq.detok = IncrementalDecoder(self.model.tokenizer, context=prompt)
+        seq.block_hashes = self.prefix.hashes(prompt)
         vocab = self.model.config.vocab_size
         if params.grammar is not None:
             seq.constraint = Constraint(params.grammar, self.model.tokenizer, vocab)
@@ -289,17 +221,25 @@ class Scheduler:
         prefills = sum(1 for w in work if w.seq.prefilling)
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            chunk = 0
+            chunk, hit = 0, []
             if seq.start_kv is None:
+                hit = self.prefix.match_prompt(seq.block_hashes, len(seq.prompt))
+                seq.num_computed = len(hit) * self.pool.block_size  # what _chunk sees; undone if it waits
                 chunk = self._chunk(seq, budget, first=prefills == 0)
                 if chunk == 0:
+                    seq.num_computed = 0
                     break
-            cache = self.pool.allocate(len(seq.prompt) + seq.params.max_tokens)
+            cache = self.prefix.allocate(len(seq.prompt) + seq.params.max_tokens, hit)
             if cache is None:
+                seq.num_computed = 0
                 self._log_queued(seq)
                 break
             self.waiting.pop(0)
             seq.cache = cache
+            if seq.start_kv is None:
+                cache.set_length(self.prefix.load(hit, cache))
+                seq.cached_tokens = cache.length
+                self.prefix.record(len(seq.prompt), cache.length)
             self.running.append(seq)
             if seq.start_kv is not None:
                 self._load_start_kv(seq)
@@ -336,7 +276,9 @@ class Scheduler:
 
     def _execute(self, work: list[_Work]) -> list[tuple[int, TokenLogprob | None] | None]:
         """Worker thread: one forward over the whole batch, then sample where a token is due."""
-        logits = forward(self.model, [w.segment for w in work])  # (len(work), vocab)
+        hooks = [(w.seq.on_layer, w.segment.cache) for w in work if w.samples and w.seq.on_layer is not None and w.seq.prefilling]
+        on_layer = (lambda layer: [hook(layer, cache) for hook, cache in hooks]) if hooks else None
+        logits = forward(self.model, [w.segment for w in work], on_layer=on_layer)  # (len(work), vocab)
         return [self._sample(w.seq, row) if w.samples else None for w, row in zip(work, logits)]
 
     def _sample(self, seq: Sequence, row: np.ndarray) -> tuple[int, TokenLogprob | None]:
@@ -364,6 +306,7 @@ class Scheduler:
             if seq.prefilling:
                 seq.num_computed += len(item.segment.tokens)
                 if not seq.prefilling:
+                    self.prefix.store(seq.prompt, item.segment.cache, seq.block_hashes)  # same-prefix requests hit from now on
                     self.metrics.on_prefill_done(seq, time.perf_counter())
                     self._log_prefill_done(seq)
             if token is not None and not seq.cancelled:
@@ -375,10 +318,12 @@ class Scheduler:
         """Copy the given prompt KV into the pool cache and emit its first token."""
         kv, cache = seq.start_kv, seq.cache
         assert kv is not None and cache is not None, f"sequence {seq.request_id} has no KV to load or no cache"
-        n = len(seq.prompt)
-        cache.k[:, :n] = kv.k  # (n_layers, n, n_kv_heads, head_dim)
-        cache.v[:, :n] = kv.v
+        n, reused = len(seq.prompt), self.prefix.load(kv.prefix, cache)  # blocks this engine held, then the shipped rest
+        cache.k[:, reused:n] = kv.k  # (n_layers, n - reused, n_kv_heads, head_dim)
+        cache.v[:, reused:n] = kv.v
         cache.set_length(n)
+        seq.cached_tokens = kv.cached_tokens
+        self.prefix.store(seq.prompt, cache, seq.block_hashes)  # later turns of this session reuse it (and skip its transfer)
         self._drop_start_kv(seq)
         seq.num_computed = n
         self._append_token(seq, kv.first_token, kv.first_logprob)
@@ -444,6 +389,8 @@ class Scheduler:
         self._remove(seq)
         if seq.cache is not None and not (seq.keeps_cache and reason in ("stop", "length")):
             self.pool.free(seq.cache)  # a finished `prefill` keeps it until Prefilled.release
+            if reason in ("stop", "length"):  # the next turn of a conversation starts with these tokens
+                self.prefix.store(seq.prompt + seq.output, seq.cache, seq.block_hashes)
             seq.cache = None
         self._drop_start_kv(seq)
         self.metrics.on_finish(seq, reason, time.perf_counter())

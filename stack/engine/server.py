@@ -33,7 +33,9 @@ from stack.engine.metrics import EngineMetrics
 from stack.engine.model import Model
 from stack.engine.protocol import CompletionRequest, Kind, ResponseIds
 from stack.engine.choices import Choice
-from stack.engine.scheduler import Output, Scheduler, Sequence
+from stack.engine.prefix_cache import PrefixCache
+from stack.engine.scheduler import Scheduler
+from stack.engine.sequence import Output, Sequence
 
 DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
 T = TypeVar("T")
@@ -59,8 +61,9 @@ def create_app(config: EngineConfig, model: Model) -> web.Application:
     max_model_len = min(config.max_model_len or model.config.max_seq_len, model.config.max_seq_len)
     pool = KVPool(model.config, config.pool_bytes, config.block_size)
     metrics = EngineMetrics(config.model)
+    prefix = PrefixCache(pool, model.fingerprint, enabled=config.prefix_caching, dtype=config.kv_dtype, metrics=metrics)
     scheduler = Scheduler(model, pool, max_num_batched_tokens=config.max_num_batched_tokens,
-                          max_num_seqs=config.max_num_seqs, chunked_prefill=config.chunked_prefill, metrics=metrics)
+                          max_num_seqs=config.max_num_seqs, chunked_prefill=config.chunked_prefill, metrics=metrics, prefix=prefix)
     engine = Engine(config, model, scheduler, KVHandoff(config, model, scheduler, metrics), max_model_len, int(time.time()))
     metrics.watch(scheduler, engine.handoff.consumer)
 
@@ -163,7 +166,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
             prefilled = await _unless_client_gone(request, engine.handoff.prefill(request_id, req))
             choice = Choice(req, 0, engine.model.tokenizer)
             choice.add(prefilled.output)
-            return _completion(request, engine, req, [choice], [prefilled.output], kv_transfer_params=prefilled.kv_transfer_params)
+            return _completion(request, engine, req, [choice], [prefilled.output], prefilled.cached_tokens,
+                               kv_transfer_params=prefilled.kv_transfer_params)
         if leg == "decode":
             seqs.append(await _unless_client_gone(request, engine.handoff.decode(request_id, req)))
         else:
@@ -195,16 +199,17 @@ async def _complete(request: web.Request, engine: Engine, req: CompletionRequest
             choice.add(out)
         assert out is not None, "output stream ended without a finish"
         lasts.append(out)
-    return _completion(request, engine, req, choices, lasts)
+    return _completion(request, engine, req, choices, lasts, seqs[0].cached_tokens)
 
 
 def _completion(request: web.Request, engine: Engine, req: CompletionRequest, choices: list[Choice], lasts: list[Output],
-                **extra: Any) -> web.Response:
+                cached_tokens: int, **extra: Any) -> web.Response:
     """The non-streamed body of `choices` (each ended by its output in `lasts`); `extra` adds top-level keys (kv_transfer_params)."""
     for out in lasts:
         _raise_if_failed(out)
     ids = ResponseIds.new(req.kind, request[REQUEST_ID], engine.config.model)
-    body = protocol.completion_body(req.kind, ids, [c.body() for c in choices], len(req.prompt_tokens), sum(o.num_tokens for o in lasts))
+    body = protocol.completion_body(req.kind, ids, [c.body() for c in choices], len(req.prompt_tokens), sum(o.num_tokens for o in lasts),
+                                    cached_tokens)
     return web.json_response(body | extra)
 
 
@@ -230,7 +235,8 @@ async def _stream(request: web.Request, engine: Engine, req: CompletionRequest, 
                     completion_tokens += out.num_tokens
                     if done == len(seqs):
                         if req.include_usage:
-                            await send_event(stream, protocol.usage_chunk(req.kind, ids, len(req.prompt_tokens), completion_tokens))
+                            await send_event(stream, protocol.usage_chunk(req.kind, ids, len(req.prompt_tokens), completion_tokens,
+                                                                                 seqs[0].cached_tokens))
                         break
                 index, out = await _unless_client_gone(request, merged.get())
             await send_done(stream)

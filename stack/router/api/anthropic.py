@@ -475,7 +475,7 @@ class _EventRelay:
         if self.index < 0:
             frames += self._open({"type": "text", "text": ""})  # some clients expect a content block
         reason, sequence = stop_reason(self.choice, matched, self.clamped), matched
-        usage = {"input_tokens": self.usage.get("prompt_tokens", self.input_tokens), "output_tokens": self.usage.get("completion_tokens", 0)}
+        usage = _usage({"prompt_tokens": self.input_tokens, **self.usage})  # with cache_read_input_tokens, as the body has
         return [*frames, *self._close(),
                 _event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage}),
                 _event({"type": "message_stop"})]

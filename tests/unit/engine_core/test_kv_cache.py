@@ -49,7 +49,7 @@ def test_pool_refuses_what_can_never_fit() -> None:
         pool.allocate(65)
     with pytest.raises(CacheCapacityError, match=f"max_seq_len {TINY.max_seq_len}"):
         KVPool(TINY, budget_bytes=10**9).allocate(TINY.max_seq_len + 1)
-    assert pool.free_blocks == pool.total_blocks
+    assert pool.reclaimable_blocks == pool.total_blocks
 
 
 def test_layer_bytes_round_trip_continues_identically(tiny_model: Model) -> None:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from stack.common.config import build
 from stack.common.logging import setup_logging
 from stack.engine.config import EngineConfig
 from stack.engine.model import Model, load_model
+from stack.engine.scheduler import Scheduler
 from stack.engine.server import ENGINE, Engine, create_app
 
 REPO = Path(__file__).resolve().parents[3]
@@ -111,6 +112,21 @@ def _logging_back_to_stdout() -> Iterator[None]:
     """Tests redirect logging (the `logs` fixture, main() under capsys); the next test starts clean."""
     yield
     setup_logging("engine-test")
+
+
+@pytest.fixture
+async def run_schedulers() -> AsyncIterator[Callable[[Scheduler], Scheduler]]:
+    """`run_schedulers(s)` starts `s`'s step loop; every one started is stopped after the test."""
+    started: list[Scheduler] = []
+
+    def start(s: Scheduler) -> Scheduler:
+        s.start()
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        await s.stop()
 
 
 def chat(content: str = "hello there", **fields: Any) -> dict[str, Any]:

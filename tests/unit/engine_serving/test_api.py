@@ -202,7 +202,7 @@ async def test_client_disconnect_mid_stream_cancels_and_frees_kv(engine_client, 
     await wait_until(lambda: scheduler.running[0].cancelled)  # the handler noticed the disconnect
     gate.set()
 
-    await wait_until(lambda: pool.free_blocks == pool.total_blocks and not scheduler.running)
+    await wait_until(lambda: pool.reclaimable_blocks == pool.total_blocks and not scheduler.running)
     cancelled = logs.one("engine.request_cancelled")
     assert cancelled["kv_blocks_freed"] > 0 and cancelled["completion_tokens"] <= 2
     assert not logs.events("engine.request_finished")
@@ -229,7 +229,7 @@ async def test_queued_request_waits_for_kv_and_a_disconnect_while_queued_frees_i
     await wait_until(lambda: scheduler.waiting[0].cancelled)  # the handler noticed
     gate.set()
     assert (await running).status == 200
-    await wait_until(lambda: not scheduler.waiting and pool.free_blocks == pool.total_blocks)
+    await wait_until(lambda: not scheduler.waiting and scheduler.load()["kv_free_blocks"] == pool.total_blocks)
     assert logs.events("engine.request_cancelled")[-1]["kv_blocks_freed"] == 0  # it never held KV
 
 
@@ -260,7 +260,7 @@ async def test_a_failing_engine_step_is_a_500_and_the_engine_keeps_serving(engin
 
     assert failed.status == 500 and error["type"] == "server_error" and "simulated" not in error["message"]
     assert logs.one("engine.step_failed")["sequences"] == 1
-    assert pool.free_blocks == pool.total_blocks
+    assert pool.reclaimable_blocks == pool.total_blocks
     assert (await engine.client.post("/v1/chat/completions", json=chat(max_tokens=3))).status == 200
 
 

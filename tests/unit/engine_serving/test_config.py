@@ -110,6 +110,20 @@ def test_kv_transfer_port_moves_a_consumers_listener_only(tmp_path: Path) -> Non
     assert ("kv_transfer_config.kv_port", 9100, "only a KV consumer listens; this is a kv_producer") in ignored_fields(config, raw)
 
 
+def test_prefix_caching_env_overrides_the_file(tmp_path: Path) -> None:
+    """PD_PREFIX_CACHING=0|1 flips prefix_caching (the benchmark's arms); anything else names the variable."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"role": "both", "prefix_caching": True, "kv_dtype": "float16"}))
+    assert load_config(path, env={})[0].prefix_caching is True
+    assert load_config(path, env={"PD_PREFIX_CACHING": "0"})[0].prefix_caching is False
+    assert load_config(path, env={"PD_PREFIX_CACHING": "1"})[0].kv_dtype == "float16"
+    with pytest.raises(ConfigError, match="PD_PREFIX_CACHING: must be 0 or 1, got 'yes'"):
+        load_config(path, env={"PD_PREFIX_CACHING": "yes"})
+    path.write_text(json.dumps({"kv_dtype": "bfloat16"}))
+    with pytest.raises(ConfigError, match="kv_dtype"):
+        load_config(path, env={})
+
+
 @pytest.mark.parametrize("value", ["91x0", "70000", "-1"])
 def test_bad_kv_transfer_port_is_one_line_naming_the_variable(tmp_path: Path, capsys, monkeypatch, value: str) -> None:
     """A KV_TRANSFER_PORT that is not a port stops a decode engine: exit 2, `environment: KV_TRANSFER_PORT: …`."""

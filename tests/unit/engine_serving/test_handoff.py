@@ -14,7 +14,7 @@ import pytest
 
 from stack.engine import kv_wire
 from stack.engine.kv_transfer import prompt_hash
-from stack.engine.kv_wire import KVHeader
+from stack.engine.kv_wire import KVHeader, KVTrailer
 
 from .conftest import EngineHandle, chat, prefill_leg, wait_until
 
@@ -22,7 +22,7 @@ from .conftest import EngineHandle, chat, prefill_leg, wait_until
 def assert_all_free(*engines: EngineHandle) -> None:
     for engine in engines:
         pool = engine.engine.scheduler.pool
-        assert pool.free_blocks == pool.total_blocks, f"{engine.engine.config.role} pool"
+        assert pool.reclaimable_blocks == pool.total_blocks, f"{engine.engine.config.role} pool"
         consumer = engine.engine.handoff.consumer
         if consumer is not None:
             assert consumer.buffer_used == 0 and consumer.held_transfers == 0, "receive buffer"
@@ -114,12 +114,13 @@ async def test_a_claim_cancelled_as_its_kv_arrives_strands_nothing(engine_client
 
     k = np.zeros((cfg.n_layers, n, cfg.n_kv_heads, cfg.head_dim), np.float32)
     payload = kv_wire.segments(k, k, n)
-    header = KVHeader("t-race", "race", model.fingerprint, kv_wire.DTYPE, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n, first_token=1,
-                      seed=0, prompt_hash=prompt_hash([1] * n), total_bytes=sum(p.nbytes for p in payload),
-                      checksums=tuple(kv_wire.checksum(p) for p in payload))
-    assert consumer.admit(header, "test").ok
-    arrays = consumer.receive_arrays(header)
-    consumer.complete(header, arrays, "test", 0.001, [kv_wire.checksum(p) for p in kv_wire.segments(arrays.k, arrays.v, n)])
+    header = KVHeader("t-race", "race", model.fingerprint, "float32", cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n,
+                      prompt_hash=prompt_hash([1] * n))
+    trailer = KVTrailer(first_token=1, seed=0, checksums=tuple(kv_wire.checksum(p) for p in payload))
+    reply, reservation = consumer.admit(header, "test")
+    assert reply.ok and reservation is not None
+    arrays = consumer.receive_arrays(reservation)
+    consumer.complete(reservation, trailer, "test", 0.001, [kv_wire.checksum(p) for p in kv_wire.segments(arrays.k, arrays.v, n)])
     claim.cancel()  # before the claim has run again
     try:
         (await claim).release()  # Python 3.11's wait_for hands over what arrived; the caller releases it

@@ -9,7 +9,7 @@ import numpy as np
 
 from stack.engine import kv_wire
 from stack.engine.kv_transfer import prompt_hash
-from stack.engine.kv_wire import KVHeader, Reply
+from stack.engine.kv_wire import KVHeader, KVTrailer, Reply
 from stack.engine.model import Model
 
 from .conftest import EngineHandle, Logs, chat, free_port, prefill_leg, wait_until
@@ -36,7 +36,7 @@ async def test_fingerprint_mismatch_is_rejected_on_both_sides(engine_client, tin
     producer_line = logs.one("kv_producer.rejected")
     assert producer_line["reason"] == "fingerprint_mismatch" and producer_line["transfer_id"] == "t-fp"
     assert decode.engine.handoff.consumer.buffer_used == 0
-    assert prefill.engine.scheduler.pool.free_blocks == prefill.engine.scheduler.pool.total_blocks
+    assert prefill.engine.scheduler.pool.reclaimable_blocks == prefill.engine.scheduler.pool.total_blocks
 
 
 async def test_transfer_larger_than_kv_buffer_size_names_both_numbers(engine_client, logs: Logs) -> None:
@@ -55,15 +55,15 @@ async def test_transfer_larger_than_kv_buffer_size_names_both_numbers(engine_cli
 
 
 def raw_transfer(kv_addr: str, model: Model, corrupt: bool, transfer_id: str = "t-raw") -> tuple[Reply, Reply | None]:
-    """A hand-made producer: a correct header, then a payload with one flipped word if `corrupt`."""
+    """A hand-made producer (wire v2): a correct header, the payload (one flipped word if `corrupt`), the trailer."""
     cfg, n = model.config, 5
     rng = np.random.default_rng(0)
     k = rng.standard_normal((cfg.n_layers, n, cfg.n_kv_heads, cfg.head_dim), dtype=np.float32)
     v = rng.standard_normal((cfg.n_layers, n, cfg.n_kv_heads, cfg.head_dim), dtype=np.float32)
     payload = kv_wire.segments(k, v, n)
     header = KVHeader(transfer_id, "raw-client", model.fingerprint, "float32", cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n,
-                      first_token=1, seed=0, prompt_hash=prompt_hash([1] * n), total_bytes=sum(p.nbytes for p in payload),
-                      checksums=tuple(kv_wire.checksum(p) for p in payload))
+                      prompt_hash=prompt_hash([1] * n))
+    trailer = KVTrailer(first_token=1, seed=0, checksums=tuple(kv_wire.checksum(p) for p in payload))
     if corrupt:
         payload[3] = payload[3].copy()
         payload[3].reshape(-1)[7] += 1.0
@@ -76,6 +76,7 @@ def raw_transfer(kv_addr: str, model: Model, corrupt: bool, transfer_id: str = "
             return first, None
         for segment in payload:
             sock.sendall(segment.tobytes())
+        sock.sendall(trailer.encode())
         return first, Reply.decode(reader.read(kv_wire.REPLY_PREFIX.size), reader.read)
 
 
@@ -134,7 +135,7 @@ async def test_unreachable_decode_is_a_connect_failure_naming_the_address(engine
     assert dead in body["error"]["message"] and "refused" in body["error"]["message"].lower()
     line = logs.one("kv_producer.connect_failed")
     assert line["decode_kv_addr"] == dead and "Refused" in line["error"]
-    assert prefill.engine.scheduler.pool.free_blocks == prefill.engine.scheduler.pool.total_blocks
+    assert prefill.engine.scheduler.pool.reclaimable_blocks == prefill.engine.scheduler.pool.total_blocks
 
 
 async def test_unclaimed_kv_is_freed_when_its_lease_expires(engine_client, logs: Logs) -> None:
@@ -218,12 +219,12 @@ async def test_receive_arrays_are_recycled_within_the_buffer_budget(engine_clien
     consumer = decode.engine.handoff.consumer
     first_ack = (await asyncio.to_thread(raw_transfer, decode.kv_addr, decode.engine.model, False, "t-a"))[1]
     first = await consumer.claim("t-a", 1000)
-    arrays = first.arrays
+    arrays = first.reservation.arrays
     first.release()
     second_ack = (await asyncio.to_thread(raw_transfer, decode.kv_addr, decode.engine.model, False, "t-b"))[1]
     second = await consumer.claim("t-b", 1000)
 
-    assert first_ack.ok and second_ack.ok and second.arrays is arrays
+    assert first_ack.ok and second_ack.ok and second.reservation.arrays is arrays
     assert consumer.buffer_used + sum(a.nbytes for a in consumer._idle) <= 100_000
     second.release()
     assert consumer.buffer_used == 0
@@ -235,9 +236,7 @@ async def test_a_producer_that_stalls_mid_payload_loses_its_reservation(engine_c
     model, consumer = decode.engine.model, decode.engine.handoff.consumer
     cfg, n = model.config, 4
     segment_bytes = n * cfg.n_kv_heads * cfg.head_dim * 4
-    header = KVHeader("t-stall", "stalled", model.fingerprint, "float32", cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n,
-                      first_token=1, seed=0, prompt_hash="-", total_bytes=2 * cfg.n_layers * segment_bytes,
-                      checksums=("0" * 16,) * (2 * cfg.n_layers))
+    header = KVHeader("t-stall", "stalled", model.fingerprint, "float32", cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n, prompt_hash="-")
     host, port = decode.kv_addr.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(header.encode())
@@ -248,7 +247,7 @@ async def test_a_producer_that_stalls_mid_payload_loses_its_reservation(engine_c
 
     await wait_until(lambda: consumer.buffer_used == 0)
     line = logs.one("kv_consumer.incomplete")
-    assert line["transfer_id"] == "t-stall" and line["received"] == segment_bytes and line["bytes"] == header.total_bytes
+    assert line["transfer_id"] == "t-stall" and line["received"] == segment_bytes and line["bytes"] == header.payload_bytes(0)
     writer.close()
 
 

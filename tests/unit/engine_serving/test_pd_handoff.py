@@ -129,7 +129,7 @@ async def test_completions_endpoint_hands_off_too(engine_client, max_tokens: int
     assert got["choices"] == expected["choices"] and got["usage"] == expected["usage"]
     for engine in (prefill, decode):
         pool = engine.engine.scheduler.pool
-        assert pool.free_blocks == pool.total_blocks
+        assert pool.reclaimable_blocks == pool.total_blocks
     assert decode.engine.handoff.consumer.buffer_used == 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -13,7 +13,8 @@ import pytest
 from stack.engine.kv_cache import KVPool
 from stack.engine.model import Model
 from stack.engine.protocol import SamplingParams
-from stack.engine.scheduler import PromptKV, Scheduler, Sequence
+from stack.engine.scheduler import Scheduler
+from stack.engine.sequence import PromptKV, Sequence
 
 from .conftest import chat, wait_until
 
@@ -24,19 +25,13 @@ def scheduler(model: Model, budget: int, chunked: bool, pool_blocks: int = 10_00
 
 
 @pytest.fixture
-async def running(tiny: Model) -> AsyncIterator[Callable[..., Scheduler]]:
+def running(tiny: Model, run_schedulers: Callable[[Scheduler], Scheduler]) -> Callable[..., Scheduler]:
     """`running(budget=…, chunked=…, pool_blocks=…)`: a scheduler with its step loop started, stopped after the test."""
-    started: list[Scheduler] = []
 
     def start(budget: int = 64, chunked: bool = False, pool_blocks: int = 10_000) -> Scheduler:
-        s = scheduler(tiny, budget, chunked, pool_blocks)
-        s.start()
-        started.append(s)
-        return s
+        return run_schedulers(scheduler(tiny, budget, chunked, pool_blocks))
 
-    yield start
-    for s in started:
-        await s.stop()
+    return start
 
 
 async def completion(seq: Sequence) -> tuple[str, str | None, int]:
@@ -140,7 +135,7 @@ async def test_decoding_from_plain_kv_arrays_matches_a_colocated_run(running, pa
     assert got == expected and seq.output[0] == kv.first_token
     assert seq.kv_read.done()
     for s in (prefill, decode):
-        assert s.pool.free_blocks == s.pool.total_blocks
+        assert s.pool.reclaimable_blocks == s.pool.total_blocks
     assert decode.steps == expected[2] - 1  # decode never ran the prompt: one step per token after the first
 
 
@@ -150,10 +145,10 @@ async def test_prefill_keeps_its_cache_until_released(running) -> None:
     prefilled = await s.prefill("p", PROMPT, SamplingParams(max_tokens=50, temperature=0))
     assert prefilled.kv is not None and prefilled.kv.k.shape[1] == len(PROMPT)
     assert prefilled.output.finish_reason == "length" and prefilled.output.num_tokens == 1  # max_tokens is taken as 1
-    assert s.pool.free_blocks == s.pool.total_blocks - s.pool.blocks_for(len(PROMPT) + 1)
+    assert s.pool.reclaimable_blocks == s.pool.total_blocks - s.pool.blocks_for(len(PROMPT) + 1)
     prefilled.release()
     prefilled.release()  # idempotent
-    assert s.pool.free_blocks == s.pool.total_blocks
+    assert s.pool.reclaimable_blocks == s.pool.total_blocks
 
 
 @pytest.mark.parametrize("when", ["while-its-step-runs", "just-after-its-token"])
@@ -179,7 +174,7 @@ async def test_cancelling_a_prefill_frees_its_cache(running, monkeypatch, when: 
     with pytest.raises(asyncio.CancelledError):
         await task
 
-    await wait_until(lambda: s.pool.free_blocks == s.pool.total_blocks and not s.running and not s.waiting)
+    await wait_until(lambda: s.pool.reclaimable_blocks == s.pool.total_blocks and not s.running and not s.waiting)
 
 
 async def test_given_kv_is_read_until_admission_or_cancel(running) -> None:

@@ -87,6 +87,7 @@ async def test_streamed_tool_use_has_input_json_deltas(gw) -> None:
     assert "".join(deltas) == '{"city": "Paris"}{"city": "Rome"}'
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert final.stop_reason == "tool_use" and final.content[0].text == "Let me check."
+    assert final.usage.cache_read_input_tokens == 4  # the engine's cached_tokens, as in the non-streamed body
     assert [(b.name, b.input) for b in final.content[1:]] == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
     start = next(e for e in events if e.type == "message_start")
     assert start.message.usage.input_tokens == 36  # the engine's count (/tokenize), not an estimate
