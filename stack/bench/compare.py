@@ -352,7 +352,8 @@ def conditions(args: argparse.Namespace, specs: list[StackSpec], command: str) -
     cpus = "; ".join(
         f"{s.name}: " + ", ".join(f"{k}={v}" for k, v in s.env.items() if k.endswith("_CPUS") and v) for s in specs
     )
-    engine_env = " ".join(f"{k}={v}" for k, v in specs[0].engine_env.items()) or "none (as the compose files ship)"
+    engine_env = "; ".join(f"{s.name}: " + " ".join(f"{k}={v}" for k, v in s.engine_env.items()) for s in specs if s.engine_env) \
+        or "none (as the compose files ship)"
     changes = colocated_config_changes(args)
     colocated_config = (
         "colocated/config.json with " + ", ".join(f"{k}={json.dumps(v)}" for k, v in changes.items())
