@@ -100,6 +100,33 @@ def decode(bench: Bench) -> None:
                          f"{batch / seconds:8.0f} tok/s", ratio)
 
 
+def decode_split(bench: Bench) -> None:
+    """The decode batch's attention on one thread vs split over the process's cores (model.attention_groups), in
+    alternating paired runs so a drifting load on a shared machine hits both alike (median of the pairs)."""
+    from stack.engine import model as model_module
+
+    measured = model_module.attention_threads  # swapped per run below, restored at the end
+    threads = measured()
+    if threads == 1:
+        bench.report("decode attention split", "skipped", "one core (or OPENBLAS_NUM_THREADS=1): nothing to split over")
+        return
+    bw, weight_bytes = bench.baselines["copy_gbps"] * 1e9, bench.model.weights.decode_bytes
+    for batch in (8, 32):
+        context = bench.prompt_tokens
+        kv_bound = batch * bw / (weight_bytes + batch * context * bench.model.config.kv_bytes_per_token)
+        one, split = [], []
+        for _ in range(bench.repeat):
+            model_module.attention_threads = lambda: 1  # type: ignore[assignment]
+            one.append(decode_step_seconds(bench, batch, context, steps=4))
+            model_module.attention_threads = lambda: threads  # type: ignore[assignment]
+            split.append(decode_step_seconds(bench, batch, context, steps=4))
+        model_module.attention_threads = measured  # type: ignore[assignment]
+        speedup = float(np.median(np.array(one) / np.array(split)))
+        bench.report(f"decode batch {batch:>2}, context {context}, attention on {threads} threads",
+                     f"{batch / min(split):8.0f} tok/s",
+                     f"{batch / min(split) / kv_bound:.2f} x weights+KV bound; {speedup:.2f} x one thread (paired median)")
+
+
 def decode_step_seconds(bench: Bench, batch: int, context: int, steps: int = 8) -> float:
     """Best wall time of one decode step over `batch` sequences that each hold `context` tokens."""
     model = bench.model
@@ -126,7 +153,7 @@ def stability(bench: Bench) -> None:
 
 
 # Append a section (a function taking the `Bench`) to add figures; baselines run first.
-SECTIONS: list[Section] = [gemm_peak, copy_bandwidth, socket_bandwidth, prefill, decode, kv_transfer, stability]
+SECTIONS: list[Section] = [gemm_peak, copy_bandwidth, socket_bandwidth, prefill, decode, decode_split, kv_transfer, stability]
 
 
 if __name__ == "__main__":

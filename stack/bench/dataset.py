@@ -112,7 +112,7 @@ def random_requests(
     outputs = _uniform_lengths(rng, num_requests, output_len, range_ratio)
     return [
         SampleRequest(text, count(text), int(out))
-        for text, out in ((_text_of_length(rng, int(n), count), o) for n, o in zip(inputs, outputs))
+        for text, out in ((text_of_length(rng, int(n), count), o) for n, o in zip(inputs, outputs))
     ]
 
 
@@ -146,7 +146,7 @@ def synthetic_sharegpt(
         outputs[over] = _lognormal_lengths(rng, over.size, output_mean, sigma, max_output)
     samples = []
     for n, out in zip(inputs, outputs):
-        text = _text_of_length(rng, int(n), count)
+        text = text_of_length(rng, int(n), count)
         samples.append(SampleRequest(text, count(text), int(out)))
     return samples
 
@@ -157,7 +157,7 @@ def _lognormal_lengths(rng: np.random.Generator, n: int, mean: int, sigma: float
     return np.clip(np.rint(rng.lognormal(mu, sigma, size=n)), MIN_SEQ_LEN, upper).astype(int)
 
 
-def _text_of_length(rng: np.random.Generator, tokens: int, count: TokenCounter) -> str:
+def text_of_length(rng: np.random.Generator, tokens: int, count: TokenCounter) -> str:
     """Random words whose token count is `tokens` (exact for bytes; the nearest prefix otherwise)."""
     words: list[str] = []
     text = ""

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from stack.bench import dataset
+from stack.bench import agentic, dataset
 from stack.bench.loadgen import Job, Progress, arrival_times, run_load
 from stack.bench.metrics import METRICS, detailed_fields, parse_goodput, percentile_word, summarize
 
@@ -38,8 +38,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model id; default: the first of GET /v1/models")
     parser.add_argument("--endpoint", default=CHAT, choices=[CHAT, COMPLETIONS], help="API path")
     parser.add_argument(
-        "--dataset-name", default="synthetic", choices=["sharegpt", "random", "synthetic"],
-        help="sharegpt: --dataset-path file; random: vLLM's random set; synthetic: ShareGPT-like lengths",
+        "--dataset-name", default="synthetic", choices=["sharegpt", "random", "synthetic", "agentic"],
+        help="sharegpt: --dataset-path file; random: vLLM's random set; synthetic: ShareGPT-like lengths; "
+             "agentic: multi-turn coding-agent sessions (--agentic-*; closed loop, --request-rate unused)",
     )
     parser.add_argument("--dataset-path", default=None, help="ShareGPT_V3-format JSON file")
     parser.add_argument("--num-prompts", type=int, default=100, help="requests to send")
@@ -55,6 +56,19 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--synthetic-input-mean", type=int, default=800, help="mean prompt tokens (article: ~800)")
     parser.add_argument("--synthetic-output-mean", type=int, default=128, help="mean output tokens")
     parser.add_argument("--synthetic-sigma", type=float, default=0.5, help="log-normal spread of lengths (0 = fixed)")
+    defaults = agentic.AgenticShape()
+    for name, kind, text in (
+        ("sessions", int, "concurrent agent sessions (--num-prompts becomes sessions × turns)"),
+        ("turns", int, "turns per session"),
+        ("system_len", int, "tokens of the system prompt every session shares"),
+        ("tools", int, "tool definitions every request carries"),
+        ("turn_len", int, "new user tokens per turn (task, then tool results)"),
+        ("output_len", int, "tokens generated per turn (ignore_eos)"),
+        ("think_mean_s", float, "mean think time between a session's turns (exponential)"),
+        ("stagger_s", float, "sessions start uniformly within this many seconds"),
+    ):
+        parser.add_argument(f"--agentic-{name.replace('_', '-')}", dest=f"agentic_{name}", type=kind,
+                            default=getattr(defaults, name), help=text)
     parser.add_argument(
         "--ignore-eos", action="store_true",
         help="send vLLM's ignore_eos: generate the full output budget (always on for --dataset-name random)",
@@ -102,10 +116,18 @@ def check_args(args: argparse.Namespace) -> list[str]:
         problems.append("--request-rate, --burstiness and --num-prompts must be > 0")
     if args.max_concurrency is not None and args.max_concurrency <= 0:
         problems.append("--max-concurrency must be > 0")
+    if args.dataset_name == "agentic":
+        problems += agentic_shape(args).problems()
+        args.num_prompts = args.agentic_sessions * args.agentic_turns
     return problems
 
 
+def agentic_shape(args: argparse.Namespace) -> agentic.AgenticShape:
+    return agentic.AgenticShape(**{name: getattr(args, f"agentic_{name}") for name in agentic.AgenticShape.__dataclass_fields__})
+
+
 def sample_requests(args: argparse.Namespace, rng: np.random.Generator) -> list[dataset.SampleRequest]:
+    assert args.dataset_name != "agentic", "agentic sessions are built by agentic.build_workload"
     count = dataset.hf_counter(args.tokenizer) if args.tokenizer else dataset.byte_count
     if args.dataset_name == "sharegpt":
         return dataset.load_sharegpt(args.dataset_path, args.num_prompts, rng, count, args.sharegpt_output_len)
@@ -146,7 +168,7 @@ async def first_model(session: aiohttp.ClientSession, base_url: str, headers: di
 async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     """Run the workload against `args.base_url` and return the result dict (with per-request lists)."""
     rng = np.random.default_rng(args.seed)
-    requests = sample_requests(args, rng)
+    requests = [] if args.dataset_name == "agentic" else sample_requests(args, rng)
     send_times = arrival_times(len(requests), args.request_rate, args.burstiness, rng)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     base_url = args.base_url.rstrip("/")
@@ -155,6 +177,12 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=6 * 60 * 60)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = args.model or await first_model(session, base_url, headers)
+        if args.dataset_name == "agentic":
+            workload = agentic.build_workload(agentic_shape(args), np.random.default_rng(args.seed))
+            print(f"Agentic sessions: {len(workload.sessions)} × {args.agentic_turns} turns (closed loop)")
+            progress = Progress(workload.requests, stream=None if args.disable_tqdm else sys.stderr)
+            outcomes, duration = await agentic.run_sessions(session, base_url + CHAT, workload, model, headers, progress)
+            return _result(args, model, outcomes, duration)
         jobs = [build_job(args, model, r) for r in requests]
         print(f"Traffic request rate: {args.request_rate}")
         print(f"Burstiness factor: {args.burstiness} ({'Poisson process' if args.burstiness == 1 else 'Gamma distribution'})")
@@ -163,6 +191,10 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         outcomes, duration = await run_load(
             session, base_url + args.endpoint, jobs, headers, send_times, args.max_concurrency, progress
         )
+    return _result(args, model, outcomes, duration)
+
+
+def _result(args: argparse.Namespace, model: str, outcomes: list, duration: float) -> dict[str, Any]:
     metrics = args.percentile_metrics.split(",")
     summary = summarize(outcomes, duration, metrics, args.percentiles, args.goodput_ms or None)
     result = {

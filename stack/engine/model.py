@@ -2,14 +2,19 @@
 
 One `forward` serves both phases over a flattened ragged batch (like vLLM): the new tokens of every
 segment go through the matmuls together as one (N, dim) matrix; attention runs per segment against
-that segment's own `KVCache`. Prefill is one segment with T = len(prompt), decode is many T = 1
+that segment's own `KVCache`, the segments of a large step split over the process's cores
+(`attention_groups`: a decode batch's attention reads every sequence's whole cache, so it is the
+memory-bound part of the step). Prefill is one segment with T = len(prompt), decode is many T = 1
 segments, and a colocated step mixes both in one call. The `Model` holds no per-request state.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -84,6 +89,7 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
     positions = np.concatenate([np.arange(s.start_pos, s.start_pos + T) for s, T in zip(segments, lengths)])  # (N,)
     rotation = rope_rotation(cfg, positions)  # (N, 1, hd/2) complex64
     N = len(tokens)
+    groups = attention_groups([s.start_pos + T for s, T in zip(segments, lengths)])
 
     x = w.tok_embeddings[tokens]  # (N, dim)
     for layer_index, layer in enumerate(w.layers):
@@ -93,11 +99,20 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
         q, k = qk[:, :H], qk[:, H:]  # (N, H, hd), (N, KV, hd)
         v = qkv[:, (H + KV) * hd :].reshape(N, KV, hd)  # (N, KV, hd)
         attn = np.empty((N, H, hd), np.float32)  # (N, H, hd)
-        for s, lo, hi in zip(segments, offsets[:-1], offsets[1:]):
-            end = s.start_pos + (hi - lo)
-            s.cache.k[layer_index, s.start_pos : end] = k[lo:hi]
-            s.cache.v[layer_index, s.start_pos : end] = v[lo:hi]
-            attn[lo:hi] = attention(q[lo:hi], s.cache.k[layer_index, :end], s.cache.v[layer_index, :end], s.start_pos)
+
+        def attend(group: list[int], layer_index: int = layer_index, q: np.ndarray = q, k: np.ndarray = k,
+                   v: np.ndarray = v, attn: np.ndarray = attn) -> None:
+            for j in group:
+                s, lo, hi = segments[j], offsets[j], offsets[j + 1]
+                end = s.start_pos + (hi - lo)
+                s.cache.k[layer_index, s.start_pos : end] = k[lo:hi]
+                s.cache.v[layer_index, s.start_pos : end] = v[lo:hi]
+                attn[lo:hi] = attention(q[lo:hi], s.cache.k[layer_index, :end], s.cache.v[layer_index, :end], s.start_pos)
+
+        if len(groups) == 1:
+            attend(groups[0])
+        else:  # numpy releases the GIL inside each product and ufunc: the groups run on separate cores
+            list(attention_pool().map(attend, groups))
         if on_layer is not None:
             on_layer(layer_index)
         x += attn.reshape(N, H * hd) @ layer.wo  # (N, dim)
@@ -111,6 +126,41 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
         return [logits[lo:hi] for lo, hi in zip(offsets[:-1], offsets[1:])]
     last = x[offsets[1:] - 1]  # (len(segments), dim)
     return rms_norm(last, w.norm, cfg.norm_eps) @ w.lm_head  # (len(segments), vocab)
+
+
+# A decode batch's attention reads every sequence's whole KV cache (at batch 32 and 800 tokens, 4x the weights):
+# split over the cores this process may use once the batch is large enough that the split outweighs its cost.
+PARALLEL_MIN_SEGMENTS = 8
+PARALLEL_MIN_KEYS = 4096  # keys read per layer over the batch
+
+
+@lru_cache(maxsize=1)
+def attention_threads() -> int:
+    """Cores for attention: the process's CPU affinity (a cpuset-pinned engine: its cpuset), capped by
+    OPENBLAS_NUM_THREADS when set, as the matmuls are."""
+    cores = len(os.sched_getaffinity(0))
+    blas = os.environ.get("OPENBLAS_NUM_THREADS", "").strip()
+    return max(1, min(cores, int(blas))) if blas.isdigit() and int(blas) > 0 else cores
+
+
+@lru_cache(maxsize=1)
+def attention_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(attention_threads(), thread_name_prefix="attention")
+
+
+def attention_groups(keys: list[int]) -> list[list[int]]:
+    """Segment indices per attention thread, balanced by keys read (longest first onto the lightest group); one
+    group when the step is too small to be worth splitting or there is one core."""
+    threads = attention_threads()
+    if threads == 1 or len(keys) < PARALLEL_MIN_SEGMENTS or sum(keys) < PARALLEL_MIN_KEYS:
+        return [list(range(len(keys)))]
+    groups: list[list[int]] = [[] for _ in range(threads)]
+    load = [0] * threads
+    for j in sorted(range(len(keys)), key=lambda j: -keys[j]):
+        lightest = load.index(min(load))
+        groups[lightest].append(j)
+        load[lightest] += keys[j]
+    return groups
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

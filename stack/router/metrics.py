@@ -6,7 +6,11 @@ KV claim plus first token), `pd_router_tpot_seconds` (per streamed request: (las
 (chunks − 1), as `vllm bench serve` defines TPOT). Counters: `pd_router_requests_total{api,status}`,
 `pd_router_backend_requests_total{backend,role,outcome}`, `pd_router_retries_total{role}`,
 `pd_router_slo_requests_total{slo="met"|"missed"}` (streamed requests against the TTFT and TPOT SLOs;
-goodput is the rate of `met`). Gauges are read at scrape time from registered collectors (backend
+goodput is the rate of `met`), `pd_router_affinity_decisions_total{role,backend,decision}` (policy cache_aware:
+"session"/"prefix" kept the affinity, "imbalanced"/"unavailable"/"no_key" went load-aware; affinity.py), and per
+backend that computed the prompt (prefill; colocated: the engine) `pd_router_prompt_tokens_total{backend}` and
+`pd_router_cached_prompt_tokens_total{backend}` from the engines' usage (`prompt_tokens_details.cached_tokens`):
+their ratio is the backend's prefix-cache hit rate. Gauges are read at scrape time from registered collectors (backend
 up / in flight / breaker, queue depth, the SLOs, per-key usage and quota), so the hot path never
 touches them.
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,6 +31,7 @@ from stack.common.config import ConfigError
 from stack.common.metrics import CONTENT_TYPE, Collector, Counter, GaugeSample, Histogram, render_gauges
 
 if TYPE_CHECKING:
+    from stack.router.backends import Backend
     from stack.router.auth import Caller
     from stack.router.limits import Limiter
     from stack.router.usage import UsageStore
@@ -77,6 +83,11 @@ class Metrics:
         self.backend_requests = Counter("pd_router_backend_requests_total", "Upstream legs by backend, role and outcome.")
         self.retries = Counter("pd_router_retries_total", "Retried legs by role.")
         self.slo_requests = Counter("pd_router_slo_requests_total", "Completed streamed requests that met (or missed) the TTFT and TPOT SLOs.")
+        self.affinity = Counter("pd_router_affinity_decisions_total",
+                                "cache_aware picks by role, backend and decision (session/prefix: affinity kept; imbalanced/unavailable/no_key: load-aware).")
+        self.prompt_tokens = Counter("pd_router_prompt_tokens_total", "Prompt tokens by the backend that computed the prompt (engine usage).")
+        self.cached_tokens = Counter("pd_router_cached_prompt_tokens_total",
+                                     "Prompt tokens the backend served from its prefix cache (usage.prompt_tokens_details.cached_tokens).")
         self._collectors: list[Collector] = [self._slo_gauges]
         self._gauge_help: dict[str, str] = {
             "pd_router_slo_ttft_seconds": "The TTFT SLO goodput is counted against (PD_SLO_TTFT_MS).",
@@ -95,6 +106,15 @@ class Metrics:
             self.tpot.observe(tpot)
         met = ttft_seconds <= self.slo.ttft_s and tpot <= self.slo.tpot_s
         self.slo_requests.inc(slo="met" if met else "missed")
+
+    def observe_prompt_cache(self, backend: Backend, usage: Any) -> None:
+        """Count an engine's usage for the backend that computed the prompt: hit rate = cached / prompt tokens."""
+        if not isinstance(usage, dict) or not isinstance(usage.get("prompt_tokens"), int):
+            return
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        self.prompt_tokens.inc(usage["prompt_tokens"], backend=backend.url)
+        self.cached_tokens.inc(cached if isinstance(cached, int) and not isinstance(cached, bool) else 0, backend=backend.url)
 
     def add_gauges(self, help_: dict[str, str], collector: Callable[[], Iterable[GaugeSample]]) -> None:
         """Register gauges computed at scrape time (name → help, and a function yielding samples)."""
@@ -126,7 +146,7 @@ class Metrics:
     def render(self) -> tuple[str, str]:
         parts: list[str] = []
         for metric in (self.ttft, self.itl, self.tpot, self.e2e, self.prefill, self.kv_handoff, self.requests,
-                       self.backend_requests, self.retries, self.slo_requests):
+                       self.backend_requests, self.retries, self.slo_requests, self.affinity, self.prompt_tokens, self.cached_tokens):
             parts.extend(metric.render())
         parts.extend(render_gauges(self._gauge_help, self._collectors))
         return "".join(parts), CONTENT_TYPE

@@ -21,8 +21,9 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import aiohttp
@@ -32,6 +33,7 @@ from stack.common import events
 from stack.common.errors import REQUEST_ID_HEADER, UpstreamError, UpstreamTimeout
 from stack.common.logging import log_event
 from stack.common.sse import DONE, read_event_batches
+from stack.router.affinity import Affinity, request_affinity
 from stack.router.backends import Backend, build_pool, is_colocated
 from stack.router.config import RouterConfig
 from stack.router.discovery import KVDiscovery, kv_hints
@@ -40,7 +42,10 @@ from stack.router.metrics import Metrics
 from stack.router.monitor import HealthMonitor
 from stack.router.replicas import ReplicaWatcher
 from stack.router.upstream import EngineError, LegFailed, exception_failure, open_stream, post_json, status_failure, timeout
-from stack.router.scheduler import NoBackendAvailable, Scheduler, worst_case_s
+from stack.router.scheduler import NoBackendAvailable, Scheduler, SchedulerConfig, worst_case_s
+
+
+NO_HEADERS: Mapping[str, str] = MappingProxyType({})  # a caller with no client request (benchmarks, tests): no session
 
 
 def estimate_prompt_tokens(body: dict[str, Any]) -> int:
@@ -65,14 +70,18 @@ class _Job:
     stream: bool
     prompt_tokens: int
     max_tokens: int
+    key: Affinity | None = None  # session / prompt-prefix affinity (policy cache_aware): the same pair every turn
     started: float = field(default_factory=time.perf_counter)
 
     @classmethod
-    def make(cls, request_id: str, path: str, body: dict[str, Any], stream: bool, default_max_tokens: int) -> _Job:
+    def make(cls, request_id: str, path: str, body: dict[str, Any], stream: bool, settings: SchedulerConfig,
+             headers: Mapping[str, str]) -> _Job:
         # kv_transfer_params belong to the router: a client must not steer the engines' KV plumbing.
         clean = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        default_max_tokens = settings.default_max_tokens
         limit = clean.get("max_completion_tokens") or clean.get("max_tokens") or default_max_tokens
-        return cls(request_id, path, clean, stream, estimate_prompt_tokens(clean), int(limit) if isinstance(limit, int) else default_max_tokens)
+        key = request_affinity(headers, clean, settings.affinity_prefix_chars) if settings.policy == "cache_aware" else None
+        return cls(request_id, path, clean, stream, estimate_prompt_tokens(clean), int(limit) if isinstance(limit, int) else default_max_tokens, key)
 
     @property
     def decode_tokens(self) -> int:
@@ -221,7 +230,7 @@ class PDClient:
                                                            threshold, cooldown, clock)}
         if self.handoff.prefill_leg:
             pools["prefill"] = [] if registry else build_pool(config.prefill, "prefill", threshold, cooldown, clock)
-        self.scheduler = Scheduler(s, pools)
+        self.scheduler = Scheduler(s, pools, metrics.affinity)
         self.session = session
         self.metrics = metrics
         kv = (KVDiscovery(session, kv_hints(config.decode, config.kv_transfer_port, config.source), timeout(s.connect_timeout_ms, 5000),
@@ -302,12 +311,15 @@ class PDClient:
         return None
 
     # -- the flow: pick, prefill leg, decode leg, relay -------------------------------------------------
-    async def complete(self, request_id: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Run a non-streamed request; the decode engine's JSON answer (with usage)."""
-        job = _Job.make(request_id, path, body, False, self.settings.default_max_tokens)
+    async def complete(self, request_id: str, path: str, body: dict[str, Any], headers: Mapping[str, str] = NO_HEADERS) -> dict[str, Any]:
+        """Run a non-streamed request; the decode engine's JSON answer (with usage). `headers`: the client's (session
+        affinity)."""
+        job = _Job.make(request_id, path, body, False, self.settings, headers)
         leg = await self._run_within_deadline(job)
         self.scheduler.release(leg.decode, job.decode_tokens)
         answer = leg.answer or {}
+        if not self.handoff.prefill_leg:
+            self.metrics.observe_prompt_cache(leg.decode, answer.get("usage"))
         answer.pop("kv_transfer_params", None)  # clients never learn PD exists
         _report_cached(answer.get("usage"), leg.prefill_cached)
         return answer
@@ -331,7 +343,7 @@ class PDClient:
         last_failure: LegFailed | None = None
         for attempt in range(1, self.settings.max_retries + 2):
             try:
-                decode = await self.scheduler.acquire("decode", job.decode_tokens, tried)
+                decode = await self.scheduler.acquire("decode", job.decode_tokens, tried, job.key)
             except NoBackendAvailable:
                 if last_failure is not None:
                     raise last_failure.error from None
@@ -389,7 +401,7 @@ class PDClient:
         last_failure: LegFailed | None = None
         for tries in range(1, self.settings.max_retries + 2):
             try:
-                prefill = await self.scheduler.acquire("prefill", job.prompt_tokens, tried)
+                prefill = await self.scheduler.acquire("prefill", job.prompt_tokens, tried, job.key)
             except NoBackendAvailable:
                 if last_failure is None:
                     raise
@@ -431,6 +443,7 @@ class PDClient:
             answered_at = self._clock()
             elapsed = time.perf_counter() - started
             self.metrics.prefill.observe(elapsed)
+            self.metrics.observe_prompt_cache(prefill, answer.get("usage") if isinstance(answer, dict) else None)
             finish = _finish_reason(answer)
             if finish not in (None, "length"):
                 # The one token ended the answer (EOS, a stop string). vLLM 0.32 still hands on kv_transfer_params
@@ -492,11 +505,11 @@ class PDClient:
         self._first_token(job, decode, sent)
         return _Leg(decode, response=response, batches=batches, first=first, rest=frames[1:])
 
-    async def stream(self, request_id: str, path: str, body: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
+    async def stream(self, request_id: str, path: str, body: dict[str, Any], headers: Mapping[str, str] = NO_HEADERS) -> AsyncIterator[list[dict[str, Any]]]:
         """4. Relay: yield the decode engine's chunks as dicts, in batches: the chunks of one network read, so the
         API writes them in one send (a burst, or a router running behind, costs one send, not one per token).
-        Always ends with a usage chunk (see module doc)."""
-        job = _Job.make(request_id, path, body, True, self.settings.default_max_tokens)
+        Always ends with a usage chunk (see module doc). `headers`: the client's (session affinity)."""
+        job = _Job.make(request_id, path, body, True, self.settings, headers)
         leg = await self._run_within_deadline(job)
         if leg.answer is not None:  # the prefill finished the answer: its JSON, as the chunks decode would have sent
             try:
@@ -543,6 +556,8 @@ class PDClient:
                 yield [{"id": leg.first.get("id", ""), "object": leg.first.get("object", "chat.completion.chunk"),
                         "created": leg.first.get("created", 0), "model": leg.first.get("model", ""), "choices": [], "usage": usage}]
             self._succeeded(decode)
+            if not self.handoff.prefill_leg:
+                self.metrics.observe_prompt_cache(decode, tally.usage)
             self.metrics.observe_stream(tally.first - job.started, tally.last - tally.first, tally.tokens)  # TPOT, goodput
         except (GeneratorExit, asyncio.CancelledError):
             log_event(events.ROUTER_CLIENT_DISCONNECTED, "client went away; upstream decode cancelled", "WARNING",

@@ -22,6 +22,9 @@ from stack.common import events
 from stack.common.config import check
 from stack.common.errors import Overloaded, RateLimited
 from stack.common.logging import log_event
+from stack.common.metrics import Counter
+from stack.router import affinity
+from stack.router.affinity import Affinity, Guard
 from stack.router.backends import Backend
 
 
@@ -29,7 +32,14 @@ from stack.router.backends import Backend
 class SchedulerConfig:
     """The [scheduler] table: policy, queue, retries, health, breakers and upstream timeouts."""
 
-    policy: Literal["load_aware", "round_robin"] = "load_aware"  # load_aware = fewest outstanding tokens
+    # load_aware = fewest outstanding tokens; cache_aware = session / prompt-prefix affinity with an imbalance guard,
+    # load_aware for requests without a key (affinity.py)
+    policy: Literal["load_aware", "round_robin", "cache_aware"] = "load_aware"
+    affinity_prefix_chars: int = 2048  # cache_aware without a session header: characters of the prompt hashed
+    # cache_aware's imbalance guard (vllm-router's defaults): the preferred backend is skipped when it has more than
+    # this many requests in flight beyond the least loaded one AND more than balance_rel_threshold times as many
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
     # How prefill hands its KV to decode (handoff.py; KV_CONNECTOR overrides): "pd-push" = our engines (prefill pushes
     # to the KV port decode reports on GET /health), "nixl" = vLLM NixlConnector (prefill's kv_transfer_params go to
     # decode unchanged), "p2pnccl" = vLLM P2pNcclConnector (engines register on [p2pnccl] registry_port; the KV route
@@ -66,8 +76,15 @@ class SchedulerConfig:
                      "connect_timeout_ms", "decode_timeout_ms", "deadline_ms",
                      "prefill_timeout_ms", "first_token_timeout_ms", "idle_timeout_ms", "request_timeout_ms", "default_max_tokens"):
             check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
-        for name in ("queue_size", "max_retries", "health_interval_ms"):
+        for name in ("queue_size", "max_retries", "health_interval_ms", "balance_abs_threshold"):
             check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        check(self.affinity_prefix_chars > 0, "affinity_prefix_chars", f"must be > 0, got {self.affinity_prefix_chars}")
+        check(self.balance_rel_threshold >= 1.0, "balance_rel_threshold",
+              f"must be >= 1.0 (a ratio of in-flight requests), got {self.balance_rel_threshold}")
+
+    @property
+    def guard(self) -> Guard:
+        return Guard(self.balance_abs_threshold, self.balance_rel_threshold)
 
 
 def worst_case_s(config: SchedulerConfig) -> dict[str, float]:
@@ -102,9 +119,11 @@ def _retry_after(seconds: float) -> dict[str, str]:
 class Scheduler:
     """Policy choice plus the wait queue, over pools of backends keyed by role."""
 
-    def __init__(self, config: SchedulerConfig, pools: dict[str, list[Backend]]) -> None:
+    def __init__(self, config: SchedulerConfig, pools: dict[str, list[Backend]], decisions: Counter | None = None) -> None:
+        """`decisions` counts cache_aware's choices by role, backend and decision (the router's /metrics)."""
         self.config = config
         self._pools = pools
+        self._decisions = decisions
         self._next = dict.fromkeys(pools, 0)  # round-robin position; also breaks load_aware ties
         self._waiters: dict[str, deque[asyncio.Future[None]]] = {role: deque() for role in pools}
         self.queue_depth = 0
@@ -147,13 +166,21 @@ class Scheduler:
         return changed
 
     # -- slots -------------------------------------------------------------------------------------------
-    def _pick(self, role: str, exclude: Collection[Backend]) -> Backend | None:
+    def _pick(self, role: str, exclude: Collection[Backend], key: Affinity | None) -> Backend | None:
         pool = self._pools[role]
         start = self._next[role]
-        ready = [b for b in (pool[(start + i) % len(pool)] for i in range(len(pool))) if b.has_slot and b not in exclude and b.usable]
+        usable = [b for b in (pool[(start + i) % len(pool)] for i in range(len(pool))) if b not in exclude and b.usable]
+        ready = [b for b in usable if b.has_slot]
         if not ready:
             return None
-        chosen = ready[0] if self.config.policy == "round_robin" else min(ready, key=lambda b: (b.outstanding_tokens, b.in_flight))
+        if self.config.policy == "round_robin":
+            chosen = ready[0]
+        elif self.config.policy == "cache_aware":
+            chosen, decision = affinity.choose(key, usable, ready, self.config.guard) if key else (affinity.least_loaded(ready), "no_key")
+            if self._decisions is not None:
+                self._decisions.inc(role=role, backend=chosen.url, decision=decision)
+        else:
+            chosen = affinity.least_loaded(ready)
         self._next[role] = (pool.index(chosen) + 1) % len(pool)
         return chosen
 
@@ -169,16 +196,17 @@ class Scheduler:
         raise NoBackendAvailable(f"no {role} backend is available ({detail or 'none configured or registered'})", code=f"no_{role}_backend",
                                  headers=_retry_after(wait))
 
-    async def acquire(self, role: str, tokens: int, exclude: Collection[Backend] = ()) -> Backend:
-        """A backend of `role` with a slot taken for this request; waits in the queue if all are full."""
-        backend = self._pick(role, exclude)
+    async def acquire(self, role: str, tokens: int, exclude: Collection[Backend] = (), key: Affinity | None = None) -> Backend:
+        """A backend of `role` with a slot taken for this request; waits in the queue if all are full. `key` (session
+        or prompt prefix) steers the pick under policy cache_aware."""
+        backend = self._pick(role, exclude, key)
         if backend is None:
             self._check_usable(role, exclude)
-            backend = await self._wait(role, exclude)
+            backend = await self._wait(role, exclude, key)
         backend.take(tokens)
         return backend
 
-    async def _wait(self, role: str, exclude: Collection[Backend]) -> Backend:
+    async def _wait(self, role: str, exclude: Collection[Backend], key: Affinity | None) -> Backend:
         if self.queue_depth >= self.config.queue_size:
             log_event(events.ROUTER_QUEUE_FULL, f"every {role} slot is busy and the queue is full", "WARNING",
                       role=role, queue_depth=self.queue_depth, retry_after_s=1)
@@ -214,7 +242,7 @@ class Scheduler:
                 finally:
                     if waiter in waiters:
                         waiters.remove(waiter)
-                backend = self._pick(role, exclude)
+                backend = self._pick(role, exclude, key)
                 if backend is not None:
                     return backend
                 self._check_usable(role, exclude)

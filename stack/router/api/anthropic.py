@@ -330,8 +330,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
         # The prompt count for message_start: asked in parallel with the prefill leg, unless the clamp asked already.
         count = asyncio.ensure_future(_tokenize(request, upstream) if counted is None else _known(counted))
         relay_ = _EventRelay(message_id, req.model, stops, clamped)
-        return await relay(request, _counted(pd.stream(request[REQUEST_ID], CHAT_PATH, upstream), count, relay_, upstream), relay_)
-    result = await pd.complete(request[REQUEST_ID], CHAT_PATH, upstream)
+        return await relay(request, _counted(pd.stream(request[REQUEST_ID], CHAT_PATH, upstream, request.headers), count, relay_, upstream), relay_)
+    result = await pd.complete(request[REQUEST_ID], CHAT_PATH, upstream, request.headers)
     usage = result.get("usage") or {}
     charge(request, usage)
     choice = (result.get("choices") or [{}])[0]

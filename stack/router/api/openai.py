@@ -102,10 +102,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _answer(request: web.Request, path: str, upstream: dict[str, Any], model: str, include_usage: bool) -> web.StreamResponse:
     pd = request.app[PD]
     if not upstream["stream"]:
-        result = await pd.complete(request[REQUEST_ID], path, upstream)
+        result = await pd.complete(request[REQUEST_ID], path, upstream, request.headers)
         charge(request, result.get("usage"))
         return web.json_response({**result, "model": model})
-    return await relay(request, pd.stream(request[REQUEST_ID], path, upstream), _ChunkRelay(model, include_usage))
+    return await relay(request, pd.stream(request[REQUEST_ID], path, upstream, request.headers), _ChunkRelay(model, include_usage))
 
 
 class _ChunkRelay:

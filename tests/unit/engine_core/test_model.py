@@ -7,7 +7,8 @@ import pytest
 
 from stack.engine.errors import TokenRangeError
 from stack.engine.kv_cache import KVCache
-from stack.engine.model import Model, Segment, forward, load_model, rope_inv_freq
+from stack.engine import model as model_module
+from stack.engine.model import Model, Segment, attention_groups, forward, load_model, rope_inv_freq
 from stack.engine.weights import ModelConfig
 
 from .reference import TINY, hf_tensors_from_weights, model_from_tensors, naive_logits, random_hf_tensors
@@ -81,6 +82,40 @@ def test_mixed_batch_equals_separate_runs(tiny_model: Model) -> None:
     np.testing.assert_allclose(batched, np.stack(order), rtol=1e-5, atol=1e-5)
     assert [c.length for c in caches] == [len(h) + 1 for h in histories]
     assert prompt_cache.length == len(new_prompt)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_batched_decode_equals_single_sequence_decode(tiny_model: Model, monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    """A decode step over 12 sequences of different lengths gives each sequence the logits (and cache) it gets
+    decoding alone, whether the batch's attention runs on one thread or is split over several."""
+    monkeypatch.setattr(model_module, "attention_threads", lambda: threads)
+    monkeypatch.setattr(model_module, "PARALLEL_MIN_KEYS", 0)
+    rng = np.random.default_rng(5)
+    histories = [list(rng.integers(0, 256, int(n))) for n in rng.integers(2, 40, 12)]
+    new_tokens = [int(t) for t in rng.integers(0, 256, 12)]
+    alone = []
+    for history, token in zip(histories, new_tokens):
+        cache = prefill(tiny_model, history)[0]
+        alone.append((forward(tiny_model, [Segment(np.array([token]), cache, cache.length)])[0], cache))
+    caches = [prefill(tiny_model, h)[0] for h in histories]
+    batched = forward(tiny_model, [Segment(np.array([t]), c, c.length) for t, c in zip(new_tokens, caches)])  # (12, vocab)
+    np.testing.assert_allclose(batched, np.stack([logits for logits, _ in alone]), rtol=1e-5, atol=1e-5)
+    for cache, (_, single) in zip(caches, alone):
+        assert cache.length == single.length
+        np.testing.assert_allclose(cache.k[:, : cache.length], single.k[:, : single.length], rtol=1e-5, atol=1e-6)
+    assert len(attention_groups([c.length for c in caches])) == threads
+
+
+def test_attention_groups_balance_keys_and_skip_small_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Longest-first onto the lightest thread: no thread reads much more than its share; small steps stay whole."""
+    monkeypatch.setattr(model_module, "attention_threads", lambda: 2)
+    keys = [800, 790, 30, 20, 810, 10, 400, 420, 5, 700]
+    groups = attention_groups(keys)
+    assert sorted(j for g in groups for j in g) == list(range(len(keys)))
+    loads = [sum(keys[j] for j in g) for g in groups]
+    assert max(loads) - min(loads) <= max(keys)
+    assert attention_groups([100] * 4) == [[0, 1, 2, 3]]  # fewer than PARALLEL_MIN_SEGMENTS sequences
+    assert attention_groups([10] * 16) == [list(range(16))]  # too few keys to be worth a split
 
 
 def test_dummy_weights_are_deterministic_and_seeded() -> None:

@@ -29,7 +29,7 @@ def test_shipped_settings_load_with_compose_endpoints() -> None:
     assert config.taotoken.model_id == "your-model-id"
     assert config.prefill.discover == "dns://prefill:8000" and config.decode.discover == "dns://decode:8000"
     assert config.prefill.urls == config.decode.urls == ()
-    assert config.scheduler.policy == "load_aware" and config.scheduler.kv_connector == "pd-push"
+    assert config.scheduler.policy == "cache_aware" and config.scheduler.guard.abs_threshold == 64 and config.scheduler.kv_connector == "pd-push"
     # No KV port anywhere: the router learns it from decode's GET /health.
     assert config.decode.kv_addrs == () and config.kv_transfer_port == 0
 

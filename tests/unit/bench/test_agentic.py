@@ -1,0 +1,119 @@
+"""The agentic multi-turn workload, its closed-loop run, the arms of compare and the ratios to the best colocated arm."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from stack.bench import agentic, compare, report, serve
+from stack.bench.dataset import byte_count
+from tests.unit.bench.test_compare_report import fake_result
+
+SHAPE = agentic.AgenticShape(sessions=3, turns=3, system_len=500, tools=2, turn_len=40, output_len=4, think_mean_s=0.01,
+                             stagger_s=0.05)
+
+
+def test_sessions_are_seeded_share_one_prefix_and_grow_each_turn() -> None:
+    """Same seed, same sessions; every session opens with the same system prompt and tools, and each turn resends
+    the previous turn's conversation plus its answer and a new user text."""
+    workload = agentic.build_workload(SHAPE, np.random.default_rng(3))
+    assert workload == agentic.build_workload(SHAPE, np.random.default_rng(3))
+    assert workload.system != agentic.build_workload(SHAPE, np.random.default_rng(4)).system
+    assert byte_count(workload.system) == SHAPE.system_len and len(workload.tools) == 2
+    assert len({s.session_id for s in workload.sessions}) == 3 and workload.requests == 9
+    for session in workload.sessions:
+        lengths = [workload.prompt_len(session, t) for t in range(SHAPE.turns)]
+        for turn in range(SHAPE.turns - 1):
+            now, then = workload.messages(session, turn), workload.messages(session, turn + 1)
+            assert then[: len(now)] == now and then[len(now)] == {"role": "assistant", "content": session.turns[turn].answer}
+            assert lengths[turn + 1] - lengths[turn] == SHAPE.turn_len + SHAPE.output_len
+        assert workload.messages(session, 0)[0] == {"role": "system", "content": workload.system}
+    body = workload.payload("m", workload.sessions[0], 1)
+    assert body["ignore_eos"] and body["max_completion_tokens"] == 4 and body["tools"] == list(workload.tools)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    assert serve.check_args(args) == []
+    return args
+
+
+async def test_agentic_run_sends_each_sessions_turns_in_order_with_its_header(sse_server, plan) -> None:
+    """`serve --dataset-name agentic`: every turn completes, carries its session's Claude Code header, and a session's
+    turns arrive one after another with a growing history (closed loop: at most one request per session in flight)."""
+    args = parse(["--base-url", str(sse_server.make_url("")), "--dataset-name", "agentic", "--agentic-sessions", "3",
+                  "--agentic-turns", "3", "--agentic-system-len", "300", "--agentic-turn-len", "30", "--agentic-output-len", "3",
+                  "--agentic-think-mean-s", "0.01", "--agentic-stagger-s", "0.05", "--disable-tqdm"])
+    assert args.num_prompts == 9
+    result = await serve.benchmark(args)
+    assert (result["completed"], result["failed"]) == (9, 0)
+    assert plan.max_in_flight <= 3
+    by_session: dict[str, list[int]] = {}
+    for headers, body in zip(plan.headers, plan.bodies):
+        by_session.setdefault(headers[agentic.SESSION_HEADER], []).append(len(body["messages"]))
+    assert len(by_session) == 3 and all(counts == [2, 4, 6] for counts in by_session.values())
+
+
+def test_bad_agentic_knobs_are_reported() -> None:
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(["--dataset-name", "agentic", "--agentic-sessions", "0", "--agentic-think-mean-s", "-1"])
+    assert serve.check_args(args) == ["--agentic-sessions must be > 0", "--agentic-think-mean-s must be >= 0"]
+
+
+def test_ratios_and_goals_are_against_the_best_colocated_arm() -> None:
+    """The baseline is the colocated arm with the most goodput; each goal line says met, or missed by how much."""
+    results = {"colocated:nocache": fake_result(0.3), "colocated-x2:cache": fake_result(0.05),
+               "disaggregated:cache": fake_result(0.02)}
+    assert results["colocated-x2:cache"]["request_goodput"] > results["colocated:nocache"]["request_goodput"]
+    best = report.best_colocated(results)
+    assert best == "colocated-x2:cache"
+    table = report.ratio_table(results, best)
+    assert "| colocated-x2:cache (baseline) |" in table and "(1.00×)" in table
+    lines = report.goal_lines(results, best, "disaggregated:cache")
+    assert [line.split(":")[0] for line in lines] == ["- TTFT P99", "- ITL P99", "- Goodput"]
+    assert lines[0].endswith("missed by 2.00×")  # equal TTFT: 1.00× against a goal of ≤ 0.5×
+    assert "ITL P99: disaggregated:cache / colocated-x2:cache = 0.40×" in lines[1] and lines[1].endswith("met")
+    assert report.best_colocated({"disaggregated": fake_result(0.1)}) is None
+
+
+def test_arms_pin_the_same_two_cores_and_switch_prefix_caching() -> None:
+    """Each arm on cores 0,1 its own way; :cache / :nocache set PD_PREFIX_CACHING on its engines; colocated-x2 runs a
+    second replica on the second core behind the same router."""
+    parser = argparse.ArgumentParser()
+    compare.add_cli_args(parser)
+    args = parser.parse_args(["--api-key", "k", "--stacks", "colocated:nocache,colocated-x2:cache,colocated-chunked,disaggregated:cache"])
+    plain, x2, chunked, pd = compare.stack_specs(args)
+    assert plain.env["ENGINE_CPUS"] == "0,1" and plain.engine_env == {"PD_PREFIX_CACHING": "0"}
+    assert chunked.config_dir is not None and chunked.engine_env == {}
+    override = compare.engine_override(x2)["services"]
+    assert x2.env["ENGINE_CPUS"] == "0" and override["engine2"]["cpuset"] == "1"
+    assert override["engine2"]["environment"] == {"PD_PREFIX_CACHING": "1"} == override["engine"]["environment"]
+    assert override["router"]["environment"]["DECODE_ENDPOINT"] == "http://engine:8000,http://engine2:8000"
+    assert set(compare.engine_override(pd)["services"]) == {"prefill", "decode"}
+    bad = parser.parse_args(["--stacks", "colocated:warm,colocated-x2", "--colocated-cpus", "0"])
+    bad.api_key = "k"
+    assert compare.main(bad) == 2
+
+
+def test_cache_summary_reads_what_a_run_added_to_the_routers_counters() -> None:
+    """From the router's own /metrics text: prompt and cached tokens a run added (hit rate) and its routing decisions."""
+    from stack.router.backends import PoolConfig, build_pool
+    from stack.router.metrics import Metrics
+
+    metrics = Metrics()
+    a, b = build_pool(PoolConfig(endpoints=("http://e1:8000", "http://e2:8000")), "both", 3, 30.0)
+    metrics.observe_prompt_cache(a, {"prompt_tokens": 1000, "prompt_tokens_details": {"cached_tokens": 0}})
+    before = compare.parse_counters(metrics.render()[0])
+    metrics.observe_prompt_cache(a, {"prompt_tokens": 1200, "prompt_tokens_details": {"cached_tokens": 900}})
+    metrics.observe_prompt_cache(b, {"prompt_tokens": 800})  # an engine without caching reports no details
+    metrics.affinity.inc(role="decode", backend=a.url, decision="session")
+    metrics.affinity.inc(role="decode", backend=b.url, decision="imbalanced")
+    summary = compare.cache_summary(before, compare.parse_counters(metrics.render()[0]))
+    assert (summary["prompt_tokens"], summary["cached_tokens"]) == (2000, 900) and summary["hit_rate"] == 0.45
+    assert summary["affinity_decisions"] == {"session": 1, "imbalanced": 1}
+    table = report.cache_table({"colocated-x2:cache": {"router_cache": summary}, "colocated": {}})
+    assert "| colocated-x2:cache | 2000 | 900 | 45 % | imbalanced 1, session 1 |" in table and "| colocated | – | – | – | – |" in table
