@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import aiohttp
@@ -80,6 +81,9 @@ class Router(ServiceProcess):
 
 
 async def stream(http: aiohttp.ClientSession, url: str, content: str, max_tokens: int) -> None:
+    """One stream whose prompt starts with a fresh nonce: the engines' prefix cache can never serve it, so every
+    request costs its whole prefill (a load of distinct prompts, which is what makes a pool prefill-bound)."""
+    content = f"{uuid.uuid4().hex} {content}"
     body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "temperature": 0}
     async with http.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as response:
