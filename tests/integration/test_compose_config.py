@@ -49,6 +49,30 @@ def test_gpu_overlay_validates_with_vllm_and_gpu_reservations(resolve, files, co
     assert config["services"]["router"]["image"] == "pd-deploy/app:latest"
 
 
+def test_gpu_overlay_gives_nixl_the_same_host_fast_path(resolve) -> None:
+    """compose.gpu.yaml: both engines see every GPU and pick their own (CUDA IPC needs mutual visibility), prefill
+    lives in decode's PID namespace and is restarted with it, both share the host IPC namespace, and UCX logs the
+    lanes it chose (the doctor's evidence of CUDA IPC vs TCP): vllm-project/vllm#55906."""
+    services = resolve(GPU, {"PREFILL_GPU": "2", "DECODE_GPU": "3"})["services"]
+    prefill, decode = services["prefill"], services["decode"]
+    for svc in (prefill, decode):
+        assert svc["deploy"]["resources"]["reservations"]["devices"][0]["count"] == -1  # count: all
+        assert svc["ipc"] == "host"
+        assert (svc["environment"]["CUDA_DEVICE_ORDER"], svc["environment"]["UCX_TLS"]) == ("PCI_BUS_ID", "all")
+        assert svc["environment"]["UCX_LOG_LEVEL"] == "info"
+    assert (prefill["environment"]["CUDA_VISIBLE_DEVICES"], decode["environment"]["CUDA_VISIBLE_DEVICES"]) == ("2", "3")
+    assert prefill["pid"] == "service:decode" and "pid" not in decode
+    assert prefill["depends_on"]["decode"] == {"condition": "service_healthy", "restart": True, "required": True}
+
+
+def test_p2pnccl_overlay_pins_the_last_vllm_with_the_connector(resolve) -> None:
+    """P2pNcclConnector left vLLM in PR #44854 (after v0.22.1): the overlay pins v0.22.1 on both engines, never
+    `latest` (which fails with `Unsupported connector type: P2pNcclConnector`); the NIXL overlay keeps VLLM_IMAGE."""
+    services = resolve(P2PNCCL, {"VLLM_IMAGE": "vllm/vllm-openai:v0.33.0"})["services"]
+    assert services["prefill"]["image"] == services["decode"]["image"] == "vllm/vllm-openai:v0.22.1"
+    assert resolve(GPU, {"VLLM_IMAGE": "vllm/vllm-openai:v0.33.0"})["services"]["decode"]["image"].endswith("v0.33.0")
+
+
 def _kv_config(service: dict[str, Any]) -> dict[str, Any]:
     return json.loads(next(a for a in service["command"] if a.startswith("--kv-transfer-config=")).split("=", 1)[1])
 
