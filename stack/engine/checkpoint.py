@@ -48,6 +48,11 @@ _HF_KEYS = {
 
 def dummy_weights(config: ModelConfig, seed: int) -> Weights:
     """Deterministic random weights for `config` from `seed`."""
+    return build_weights(config, dummy_tensors(config, seed).__getitem__)
+
+
+def dummy_tensors(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    """The same weights as Hugging Face-named float32 tensors (what stack.engine.tiny_llama writes)."""
     rng = np.random.default_rng(seed)
     d, hd, f = config.dim, config.head_dim, config.hidden_dim
 
@@ -70,7 +75,7 @@ def dummy_weights(config: ModelConfig, seed: int) -> Weights:
         }
     if not config.tie_embeddings:
         tensors["lm_head.weight"] = normal(config.vocab_size, d, d)
-    return build_weights(config, tensors.__getitem__)
+    return tensors
 
 
 def load_checkpoint(directory: str | Path) -> tuple[ModelConfig, Weights, Tokenizer]:

@@ -10,6 +10,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from stack.engine.tiny_llama import hf_config_json
 from stack.engine.weights import ModelConfig
 
 CHECKPOINT_CONFIG = ModelConfig(vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64,
@@ -24,15 +25,6 @@ CHAT_TEMPLATE = (
 
 CORPUS = ["hello world", "the quick brown fox jumps over the lazy dog", "héllo wörld 世界 🌍",
           "numpy engines prefill and decode", "key value cache transfer"] * 4
-
-
-def hf_config_json(config: ModelConfig) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,
-            "hidden_size": config.dim, "intermediate_size": config.hidden_dim,
-            "num_hidden_layers": config.n_layers, "num_attention_heads": config.n_heads,
-            "num_key_value_heads": config.n_kv_heads, "rms_norm_eps": config.norm_eps,
-            "rope_theta": config.rope_theta, "max_position_embeddings": config.max_seq_len,
-            "tie_word_embeddings": config.tie_embeddings, "torch_dtype": "float32", "rope_scaling": None}
 
 
 def train_tokenizer(path: Path, vocab_size: int) -> Tokenizer:
