@@ -27,6 +27,7 @@ class Signature:
     fix: str
     source: str  # upstream file / issue thread the exact string comes from
     proof: bool = False  # a positive line: KV really moved (verify on a vLLM stack looks for it)
+    fact: bool = False  # not a finding by itself: a check reads these lines (UCX transport: checks/nixl_transport.py)
 
 
 RESTART_BOTH = "restart both engines: docker compose up -d --force-recreate prefill decode"
@@ -115,15 +116,6 @@ SIGNATURES: tuple[Signature, ...] = (
         "use an image whose UCX is built with CUDA (ucx_info -d | grep cuda), or set UCX_TLS to include cuda_copy,cuda_ipc",
         "vllm-project/vllm#41048"),
     Signature(
-        "nixl.tcp_fallback", "warning",
-        r"cuda-ipc get zcopy disabled as no nvlinks detected|software emulation \| tcp/|invalid device context",
-        "NIXL moves KV over TCP (no CUDA IPC between the containers)",
-        "Prefill and decode are on one host in separate containers without a shared PID namespace, so CUDA IPC is "
-        "off and UCX falls back to TCP (≈0.5 GB/s instead of tens of GB/s).",
-        "share the PID namespace (pid: container:<other>) and GPU visibility between the two engines, or use a "
-        "push connector; measure with python -m benchmarks.kv_transfer",
-        "vllm-project/vllm#55906, vllm-project/vllm#52607; ai-dynamo/nixl#1097"),
-    Signature(
         "kv.stranded_on_prefill", "warning",
         r"Releasing expired KV blocks for request (\S+)",
         "KV computed by prefill expired before decode pulled it",
@@ -197,6 +189,17 @@ SIGNATURES: tuple[Signature, ...] = (
         "nothing to fix",
         "vllm-project/vllm#42703", proof=True),
 )
+
+# How UCX moves NIXL's KV: lanes chosen (UCX_LOG_LEVEL=info), protocol tables (UCX_PROTO_INFO=y) and CUDA IPC
+# failures. Read together by doctor/checks/nixl_transport.py, which tells CUDA IPC / shared memory from a TCP
+# fallback; each alternative's source is cited there.
+UCX_TRANSPORT = Signature(
+    "ucx.transport", "ok",
+    r"ucp_context_\d+ (?:intra|inter)-node cfg#\d+ |cuda-ipc get zcopy disabled as no nvlinks detected|"
+    r"software emulation\s*\|\s*tcp/|invalid device context",
+    "UCX transport selection", "How UCX moves NIXL's KV between the engines.", "see doctor/checks/nixl_transport.py",
+    "ai-dynamo/nixl#1097, vllm-project/vllm#55906, vllm-project/vllm#52607", fact=True)
+SIGNATURES += (UCX_TRANSPORT,)
 
 BY_ID = {s.id: s for s in SIGNATURES}
 _COMPILED = tuple((s, re.compile(s.pattern)) for s in SIGNATURES)
