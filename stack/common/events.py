@@ -366,6 +366,14 @@ ROUTER_UNSUPPORTED = Event("router.unsupported_parameter", ROUTER,
                            "400: the request asks for what the backends cannot do (their declared capabilities)",
                            required=(API, PARAM, CAPABILITIES), level="WARNING")
 
+# -- vLLM's own PD (issue 11): what real vLLM showed the router ----------------------------------------
+ROUTER_PREFILL_FINISHED = Event("router.prefill_finished", ROUTER,
+                                "the prefill's one token ended the answer (EOS, a stop string): it is the answer, no decode leg",
+                                required=(PREFILL_URL, DECODE_URL, FINISH_REASON))
+ROUTER_KV_EXPIRED = Event("router.kv_expired", ROUTER,
+                          "the prefill's KV lease ran out before the decode leg was sent: the pair is re-picked, never sent",
+                          required=(PREFILL_URL, DECODE_URL, LEASE_MS, WAITED_MS), level="WARNING")
+
 ALL: Mapping[str, Event] = {value: value for value in dict(globals()).values() if isinstance(value, Event)}
 
 

@@ -51,6 +51,9 @@ class ServerConfig:
     # closed (slowloris, idle sockets). Clients' keep-alive pools (httpx 5 s, undici 4 s) expire sooner.
     header_timeout_ms: int = 15_000
     body_timeout_ms: int = 30_000  # the whole body must arrive within this long (then 408); only then does it count as in flight
+    # POST /tokenize and /detokenize answer without a key, as vLLM's own server does (its --api-key guards only /v1
+    # paths): `vllm bench serve` aligns its prompts through them and sends no key there. They only count tokens.
+    public_tokenizer: bool = False
 
     def __post_init__(self) -> None:
         check(self.header_timeout_ms >= 1000, "header_timeout_ms", f"must be at least 1000, got {self.header_timeout_ms}")

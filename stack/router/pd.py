@@ -112,6 +112,66 @@ class _Leg:
     batches: AsyncIterator[list[tuple[str | None, str]]] | None = None  # the rest of the stream, per network read
     first: dict[str, Any] | None = None  # the first chunk, checked before anything reached the client
     rest: list[str] = field(default_factory=list)  # the other frames that arrived with the first
+    prefill_cached: int | None = None  # prompt tokens the prefill found in its prefix cache (what usage reports)
+
+
+@dataclass(frozen=True)
+class _Handed:
+    """What a prefill leg hands on: the route, decode's kv_transfer_params, and when its KV lease started; or, when
+    its one token ended the answer, that answer (`finished`)."""
+
+    route: Route
+    kv_params: dict[str, Any] | None
+    prefill_url: str
+    answered_at: float  # PDClient's clock when the prefill answered: its blocks' lease runs from here
+    finished: dict[str, Any] | None = None
+    cached_tokens: int | None = None
+
+
+def _finish_reason(answer: dict[str, Any]) -> str | None:
+    choices = answer.get("choices") or [{}]
+    return choices[0].get("finish_reason") if isinstance(choices[0], dict) else None
+
+
+def _prefill_cached_tokens(answer: dict[str, Any], kv_params: dict[str, Any] | None) -> int | None:
+    """The prompt tokens the prefill found cached: what the client's usage reports (decode loaded them all from the
+    prefill, so its own count says ~100 %). vLLM names it in kv_transfer_params (`remote_prefill_cached_tokens`, 0.32+)
+    and in the prefill answer's usage (with --enable-prompt-tokens-details)."""
+    cached = (kv_params or {}).get("remote_prefill_cached_tokens")
+    if not isinstance(cached, int) or isinstance(cached, bool):
+        cached = ((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
+
+
+def _report_cached(usage: Any, cached: int | None) -> None:
+    """Usage as the client sees it: cached_tokens from the prefill's view (decode's own count, where it keeps one, is
+    every token it loaded from the prefill)."""
+    if cached is not None and isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details")
+        usage["prompt_tokens_details"] = {**(details if isinstance(details, dict) else {}), "cached_tokens": cached}
+
+
+def answer_chunks(answer: dict[str, Any]) -> list[dict[str, Any]]:
+    """A non-streamed chat or text completion as the stream chunks an engine would have sent for it: one chunk per
+    choice with the whole delta and its finish_reason, then the usage chunk (choices [])."""
+    chat = answer.get("object") == "chat.completion"
+    head = {"id": answer.get("id", ""), "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": answer.get("created", 0), "model": answer.get("model", "")}
+    chunks = []
+    for choice in answer.get("choices") or []:
+        out = {"index": choice.get("index", 0), "logprobs": choice.get("logprobs"), "finish_reason": choice.get("finish_reason")}
+        if chat:
+            message = choice.get("message") or {}
+            delta = {"role": "assistant", "content": message.get("content") or ""}
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+            out["delta"] = delta
+        else:
+            out["text"] = choice.get("text") or ""
+        chunks.append({**head, "choices": [out]})
+    if answer.get("usage"):
+        chunks.append({**head, "choices": [], "usage": answer["usage"]})
+    return chunks
 
 
 class _Tally:
@@ -146,11 +206,12 @@ class PDClient:
 
     def __init__(self, config: RouterConfig, session: aiohttp.ClientSession, metrics: Metrics,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """`clock` times the backends' circuit breakers (tests pass a fake one)."""
+        """`clock` times the backends' circuit breakers and the prefill's KV lease (tests pass a fake one)."""
         self.settings = s = config.scheduler
         registry = s.kv_connector == "p2pnccl"  # the pools start empty and fill as vLLM P2pNccl instances register
         self.handoff = handoff_for(s.kv_connector, colocated=not registry and is_colocated(config.prefill, config.decode))
         self.mode = "disaggregated" if self.handoff.prefill_leg else "colocated"
+        self._clock = clock
         threshold, cooldown = s.breaker_failures, s.breaker_cooldown_ms / 1000
         pools = {"decode": [] if registry else build_pool(config.decode, "decode" if self.handoff.prefill_leg else "both",
                                                            threshold, cooldown, clock)}
@@ -223,6 +284,7 @@ class PDClient:
         self.scheduler.release(leg.decode, job.decode_tokens)
         answer = leg.answer or {}
         answer.pop("kv_transfer_params", None)  # clients never learn PD exists
+        _report_cached(answer.get("usage"), leg.prefill_cached)
         return answer
 
     async def _run_within_deadline(self, job: _Job) -> _Leg:
@@ -251,12 +313,18 @@ class PDClient:
                 raise
             try:
                 if self.handoff.prefill_leg:
-                    route, kv_params = await self._prefill(job, decode, attempt)
+                    handed = await self._prefill(job, decode, attempt)
+                    if handed.finished is not None:
+                        return _Leg(decode, answer=handed.finished)
+                    self._check_lease(job, handed, decode)
+                    route, kv_params, prefill_cached = handed.route, handed.kv_params, handed.cached_tokens
                 else:
-                    route, kv_params = self.handoff.route(job.request_id, decode, decode), None
+                    route, kv_params, prefill_cached = self.handoff.route(job.request_id, decode, decode), None, None
                     log_event(events.ROUTER_SCHEDULED, f"colocated on {decode.url}", request_id=job.request_id, prefill=decode.url,
                               decode=decode.url, policy=self.settings.policy, mode=self.mode, attempt=attempt)
-                return await self._decode(job, decode, kv_params, route.request_id)
+                leg = await self._decode(job, decode, kv_params, route.request_id)
+                leg.prefill_cached = prefill_cached
+                return leg
             except LegFailed as failure:
                 self.scheduler.release(decode, job.decode_tokens)
                 self._decode_failed(job, decode, failure, mid_stream=False, retried=failure.retryable and attempt <= self.settings.max_retries)
@@ -271,8 +339,9 @@ class PDClient:
         assert last_failure is not None, "retry loop ended without a failure"
         raise last_failure.error
 
-    async def _prefill(self, job: _Job, decode: Backend, attempt: int) -> tuple[Route, dict[str, Any] | None]:
-        """2. The prefill leg, retried on other prefills; the route both legs follow and what decode gets."""
+    async def _prefill(self, job: _Job, decode: Backend, attempt: int) -> _Handed:
+        """2. The prefill leg, retried on other prefills; the route both legs follow and what decode gets, or the
+        finished answer when the prefill's one token ended it."""
         tried: set[Backend] = set()
         last_failure: LegFailed | None = None
         for tries in range(1, self.settings.max_retries + 2):
@@ -316,8 +385,16 @@ class PDClient:
             finally:
                 self.scheduler.release(prefill, job.prompt_tokens)
             self._succeeded(prefill)
+            answered_at = self._clock()
             elapsed = time.perf_counter() - started
             self.metrics.prefill.observe(elapsed)
+            finish = _finish_reason(answer)
+            if finish not in (None, "length"):
+                # The one token ended the answer (EOS, a stop string): vLLM then hands on no kv_transfer_params (or
+                # params a decode would continue past the end from). The answer is complete; no decode leg.
+                log_event(events.ROUTER_PREFILL_FINISHED, f"prefill {prefill.url} finished the answer ({finish})",
+                          request_id=job.request_id, prefill=prefill.url, decode=decode.url, finish_reason=finish)
+                return _Handed(route, None, prefill.url, answered_at, finished=answer)
             try:
                 kv_params = self.handoff.decode_params(route, answer)
             except UpstreamError as err:
@@ -328,7 +405,7 @@ class PDClient:
                       prefill=prefill.url, prefill_ms=round(elapsed * 1000, 2), transfer_id=route.transfer_id)
             log_event(events.ROUTER_KV_HANDOFF, f"handing KV to decode {decode.url}", request_id=job.request_id, decode=decode.url,
                       transfer_id=route.transfer_id, kv_transfer_params=sorted(kv_params or ()))
-            return route, kv_params
+            return _Handed(route, kv_params, prefill.url, answered_at, cached_tokens=_prefill_cached_tokens(answer, kv_params))
         assert last_failure is not None, "prefill loop ended without a failure"
         raise last_failure.error
 
@@ -377,6 +454,12 @@ class PDClient:
         Always ends with a usage chunk (see module doc)."""
         job = _Job.make(request_id, path, body, True, self.settings.default_max_tokens)
         leg = await self._run_within_deadline(job)
+        if leg.answer is not None:  # the prefill finished the answer: its JSON, as the chunks decode would have sent
+            try:
+                yield answer_chunks(leg.answer)
+            finally:
+                self.scheduler.release(leg.decode, job.decode_tokens)
+            return
         decode, response, batches = leg.decode, leg.response, leg.batches
         assert response is not None and batches is not None and leg.first is not None, "stream leg opened without a first chunk"
         tally = _Tally(self.metrics, job.started)
@@ -396,6 +479,8 @@ class PDClient:
                         break
                 if chunks:
                     tally.count(chunks)
+                    for chunk in chunks:
+                        _report_cached(chunk.get("usage"), leg.prefill_cached)
                     yield chunks
                 if bad is not None:
                     raise bad
@@ -429,6 +514,18 @@ class PDClient:
         finally:
             response.close()  # unless finished, this drops the connection: the engine cancels and frees the KV
             self.scheduler.release(decode, job.decode_tokens)
+
+    def _check_lease(self, job: _Job, handed: _Handed, decode: Backend) -> None:
+        """Never send a decode leg after the prefill's KV lease ([scheduler] kv_lease_ms) ran out: vLLM would read
+        freed blocks ("Potentially invalid KV blocks …") and still answer 200. Retryable: a new pair, a new prefill."""
+        waited_s = self._clock() - handed.answered_at
+        if waited_s * 1000 < self.settings.kv_lease_ms:
+            return
+        log_event(events.ROUTER_KV_EXPIRED, f"prefill {handed.prefill_url}'s KV lease ran out before the decode leg was sent",
+                  "WARNING", request_id=job.request_id, prefill=handed.prefill_url, decode=decode.url,
+                  lease_ms=self.settings.kv_lease_ms, waited_ms=round(waited_s * 1000, 1))
+        raise LegFailed(UpstreamError(f"the prefill's KV blocks expired (kv_lease_ms {self.settings.kv_lease_ms}) before "
+                                      "the decode leg could be sent", code="kv_expired"), retryable=True, code="kv_expired")
 
     # -- outcomes ----------------------------------------------------------------------------------
     def _parse_chunk(self, decode: Backend, data: str) -> dict[str, Any]:

@@ -36,6 +36,10 @@ class SchedulerConfig:
     # is in the request id). Identical prefill and decode endpoints are colocated whatever this says: one request.
     kv_connector: Literal["pd-push", "nixl", "p2pnccl"] = "pd-push"
     kv_transfer_timeout_ms: int = 5000  # the article's; the decode leg may wait this long for KV before its first token
+    # vLLM NixlConnector frees the prefill's blocks this long after the prefill finished unless a decode pulls them
+    # (its kv_connector_extra_config kv_lease_duration, 30 s by default; a late pull reads freed blocks and still answers
+    # 200): the router never sends a decode leg later than this after the prefill answered; it re-picks the pair.
+    kv_lease_ms: int = 30_000
     queue_size: int = 256  # requests allowed to wait for a backend slot; more get 429 + Retry-After
     queue_timeout_ms: int = 10_000  # longest wait for a slot; then 503 + Retry-After
     max_retries: int = 2  # extra attempts after a retryable failure (another prefill; or a new pair before decode's first byte)
@@ -58,7 +62,7 @@ class SchedulerConfig:
     default_max_tokens: int = 256  # load estimate for requests that do not say max_tokens
 
     def __post_init__(self) -> None:
-        for name in ("kv_transfer_timeout_ms", "queue_timeout_ms", "breaker_failures", "breaker_cooldown_ms", "health_timeouts_to_down",
+        for name in ("kv_transfer_timeout_ms", "kv_lease_ms", "queue_timeout_ms", "breaker_failures", "breaker_cooldown_ms", "health_timeouts_to_down",
                      "connect_timeout_ms", "decode_timeout_ms", "deadline_ms",
                      "prefill_timeout_ms", "first_token_timeout_ms", "idle_timeout_ms", "request_timeout_ms", "default_max_tokens"):
             check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")

@@ -3,7 +3,8 @@
 /tokenize and /detokenize take and answer vLLM's shapes (vllm/entrypoints/openai/protocol.py: `TokenizeCompletionRequest`
 {prompt, add_special_tokens, return_token_strs} or `TokenizeChatRequest` {messages, add_generation_prompt, tools, …} →
 `TokenizeResponse` {count, max_model_len, tokens, token_strs}; `DetokenizeRequest` {tokens} → `DetokenizeResponse`
-{prompt}); `vllm bench serve` asks /tokenize first. They are authenticated like /v1 (the unified key), take no slot and
+{prompt}); `vllm bench serve` asks /tokenize first. They are authenticated like /v1 (the unified key) unless [server]
+public_tokenizer is set (vLLM's own server leaves them open; the bench's alignment step sends no key), take no slot and
 are forwarded to a usable decode engine with the backend model's name; the engine's answer (an error included)
 comes back as it is.
 """
@@ -20,7 +21,8 @@ from stack.router.appkeys import CALLER, CONFIG, KEYRING, PD
 
 
 async def _forward(request: web.Request, path: str) -> web.Response:
-    request[CALLER] = request.app[KEYRING].authenticate(request.headers)  # outside /v1: the guard does not
+    if not request.app[CONFIG].server.public_tokenizer:
+        request[CALLER] = request.app[KEYRING].authenticate(request.headers)  # outside /v1: the guard does not
     body = await read_json(request)
     model = body.get("model")
     body["model"] = resolve_model(request, model) if isinstance(model, str) else request.app[PD].backend_model

@@ -9,7 +9,9 @@ run here (no GPU). Its `seen` list records every body it received.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -19,33 +21,17 @@ from stack.common.sse import frame, send_done
 
 FAKE_KV_PORT = 7001  # what a fake decode reports on GET /health as its KV listener (nothing listens: no KV moves)
 
-# vLLM's real prefill answer shape. Source: vllm-project/vllm@0f120751344c09af442c1800020908d2b7ff71f2
-# vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py, NixlConnectorScheduler.request_finished:
-#   return delay_free_blocks, dict(do_remote_prefill=True, do_remote_decode=False, remote_block_ids=block_ids,
-#       remote_engine_id=self.engine_id, remote_request_id=request.request_id, remote_host=self.side_channel_host,
-#       remote_port=self.side_channel_port, tp_size=self.vllm_config.parallel_config.tensor_parallel_size)
-# surfaced as the top-level `kv_transfer_params` of the non-streamed ChatCompletionResponse/CompletionResponse
-# (vllm/entrypoints/openai/protocol.py: `kv_transfer_params: dict[str, Any] | None = Field(default=None,
-# description="KVTransfer parameters used for disaggregated serving.")`). Later vLLM adds six more keys (the NIXL
-# pull scheduler's request_finished: dcp_size, pp_size, remote_num_tokens, remote_blocks_expiry_time, transfer_mode;
-# remote_prefill_cached_tokens from vllm PR #54222): 14 in all. No transfer_id: the router must not need one, and must
-# not drop keys it does not know.
-VLLM_NIXL_PREFILL_PARAMS = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_block_ids": [[0, 1, 2]],
-    "remote_engine_id": "5f0a1a0e-6c1b-4b8e-9e44-0d9b1f3c2a77",
-    "remote_request_id": "chatcmpl-0b7c9a3f2d1e4f56a8b9c0d1e2f3a4b5",
-    "remote_host": "10.0.0.11",
-    "remote_port": 5600,
-    "tp_size": 1,
-    "dcp_size": 1,
-    "pp_size": 1,
-    "remote_num_tokens": 3,
-    "remote_blocks_expiry_time": 1767225600.5,
-    "transfer_mode": "pull",
-    "remote_prefill_cached_tokens": 0,
-}
+# vLLM's real prefill answers, captured from vLLM 0.32.0 (CPU) by the vllm tier's setup (each file's "source" says how;
+# tests/vllm/test_pd_nixl.py checks the live keys still match): 14 kv_transfer_params keys, no transfer_id. The router
+# must not need one, and must not drop keys it does not know.
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def vllm_capture(name: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / f"{name}.json").read_text())
+
+
+VLLM_NIXL_PREFILL_PARAMS = vllm_capture("vllm_nixl_prefill")["answer"]["kv_transfer_params"]
 
 
 @dataclass
@@ -70,6 +56,8 @@ class FakeEngine:
     tokens: int = 4
     nixl: bool = False  # prefill answers like vLLM NixlConnector instead of our engine
     kv_producer: bool = True  # False: a prefill leg is answered without kv_transfer_params (an engine not set up for PD)
+    prefill_answer: dict[str, Any] | None = None  # a whole prefill answer to send as it is (a captured vLLM one)
+    decode_answer: dict[str, Any] | None = None  # a whole non-streamed decode answer to send as it is
     faults: Faults = field(default_factory=Faults)
     seen: list[dict[str, Any]] = field(default_factory=list)
     prefill_answers: list[dict[str, Any]] = field(default_factory=list)  # every answer to a prefill leg, as sent
@@ -143,12 +131,14 @@ class FakeEngine:
         if params.get("do_remote_decode"):
             return self._prefill_answer(body, params)
         if not body.get("stream"):
-            return web.json_response(self._answer(body, "x" * self.tokens, self.tokens))
+            return web.json_response(self.decode_answer or self._answer(body, "x" * self.tokens, self.tokens))
         return await self._stream(request, body)
 
     def _prefill_answer(self, body: dict[str, Any], params: dict[str, Any]) -> web.Response:
         answer = self._answer(body, "x", 1)  # kv_transfer_params null unless a KV producer
-        if self.kv_producer and self.nixl:
+        if self.prefill_answer is not None:
+            answer = json.loads(json.dumps(self.prefill_answer))
+        elif self.kv_producer and self.nixl:
             answer["kv_transfer_params"] = dict(VLLM_NIXL_PREFILL_PARAMS)
         elif self.kv_producer:
             answer["kv_transfer_params"] = {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": params["transfer_id"],
