@@ -116,6 +116,16 @@ SIGNATURES: tuple[Signature, ...] = (
         "use an image whose UCX is built with CUDA (ucx_info -d | grep cuda), or set UCX_TLS to include cuda_copy,cuda_ipc",
         "vllm-project/vllm#41048"),
     Signature(
+        "vllm.unsupported_connector", "error",
+        r"Unsupported connector type: (\w+)",
+        "vLLM does not know the kv_connector named in --kv-transfer-config: the engine exits at start",
+        "The connector is not registered in this vLLM version's factory. P2pNcclConnector was removed in vLLM PR "
+        "#44854 (after v0.22.1), so any newer image (vllm/vllm-openai:latest) fails this way.",
+        "P2pNccl: use compose.gpu.p2pnccl.yaml as shipped (pins vllm/vllm-openai:v0.22.1, VLLM_P2PNCCL_IMAGE); "
+        "otherwise name a connector this vLLM has (NixlConnector: compose.gpu.yaml); " + RESTART_BOTH,
+        "vllm-project/vllm vllm/distributed/kv_transfer/kv_connector/factory.py; vllm-project/vllm#44854 "
+        "(../shared/reference/vllm_cpu.md: 0.32.0 and 0.33.0)"),
+    Signature(
         "kv.stranded_on_prefill", "warning",
         r"Releasing expired KV blocks for request (\S+)",
         "KV computed by prefill expired before decode pulled it",
