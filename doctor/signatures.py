@@ -126,6 +126,16 @@ SIGNATURES: tuple[Signature, ...] = (
         "vllm-project/vllm vllm/distributed/kv_transfer/kv_connector/factory.py; vllm-project/vllm#44854 "
         "(../shared/reference/vllm_cpu.md: 0.32.0 and 0.33.0)"),
     Signature(
+        "vllm.shm_too_small", "error",
+        r"Insufficient space in /dev/shm for shared-memory allocation: (\d+ MiB) required",
+        "vLLM's container has too little /dev/shm: the engine core dies at start",
+        "vLLM's engine core and its worker exchange requests through a shared-memory ring in /dev/shm; Docker gives a "
+        "container 64 MiB, less than the ring needs, so the engine exits and the container never becomes healthy.",
+        "give the vLLM services shm_size: 1g (compose.vllm-cpu.yaml) or ipc: host (compose.gpu.yaml); then "
+        "docker compose up -d prefill decode",
+        "vllm-project/vllm vllm/distributed/device_communicators/shm_broadcast.py check_shm_free_space; recorded "
+        "here: vLLM 0.32.0 CPU in a container without shm_size"),
+    Signature(
         "kv.stranded_on_prefill", "warning",
         r"Releasing expired KV blocks for request (\S+)",
         "KV computed by prefill expired before decode pulled it",
