@@ -45,10 +45,10 @@ docker run --name "$builder" --network none --user 0 \
     --volume "$wheels:/vcache/wheels:ro" --volume "$debs:/debs:ro" --volume "$stage:/stage:ro" "$base" \
     sh -euc 'dpkg -i /debs/*.deb
              useradd --system --uid 10001 --create-home --home-dir /home/vllm vllm
-             cp -r /stage/scripts /tmp/pd-scripts
-             PD_VLLM_CACHE=/vcache /tmp/pd-scripts/vllm-cpu.sh install /opt/vllm
+             mkdir /tmp/pd && cp -r /stage/scripts /tmp/pd/scripts
+             PD_VLLM_CACHE=/vcache /tmp/pd/scripts/vllm-cpu.sh install /opt/vllm
              cp -r /stage/tiny-llama /opt/tiny-llama && chmod -R a+rX /opt/tiny-llama
-             rm -rf /tmp/pd-scripts /tmp/.cache /root/.cache' >"$log" 2>&1 \
+             rm -rf /tmp/pd /root/.cache' >"$log" 2>&1 \
     || { tail -40 "$log" >&2; die "installing vLLM into $base failed (full log above)"; }
 previous="$(docker image inspect --format '{{.Id}}' "$VLLM_CPU_IMAGE" 2>/dev/null || true)"
 docker commit --change "LABEL $LABEL=$want" --change 'LABEL org.opencontainers.image.title=pd-deploy-vllm-cpu' \

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.integration
 
 GPU = ("compose.yaml", "compose.gpu.yaml")
 P2PNCCL = (*GPU, "compose.gpu.p2pnccl.yaml")
+VLLM_CPU = ("compose.yaml", "compose.vllm-cpu.yaml")
 
 
 @pytest.fixture()
@@ -71,6 +72,29 @@ def test_p2pnccl_overlay_pins_the_last_vllm_with_the_connector(resolve) -> None:
     services = resolve(P2PNCCL, {"VLLM_IMAGE": "vllm/vllm-openai:v0.33.0"})["services"]
     assert services["prefill"]["image"] == services["decode"]["image"] == "vllm/vllm-openai:v0.22.1"
     assert resolve(GPU, {"VLLM_IMAGE": "vllm/vllm-openai:v0.33.0"})["services"]["decode"]["image"].endswith("v0.33.0")
+
+
+def test_vllm_cpu_overlay_wires_nixl_side_channels_and_one_core_each(resolve) -> None:
+    """compose.vllm-cpu.yaml: our vLLM-CPU image, NixlConnector with KV in host memory, each engine's side channel
+    named by its service on port 5600, each engine on its own core with vLLM's OpenMP threads bound to exactly it,
+    the router in vLLM mode (the runtime behaviour: tests/vllm/test_overlay.py)."""
+    services = resolve(VLLM_CPU, {"PREFILL_CPUS": "1", "DECODE_CPUS": "0"})["services"]
+    for name, role, core in (("prefill", "kv_producer", "1"), ("decode", "kv_consumer", "0")):
+        svc = services[name]
+        assert svc["image"] == "pd-deploy/vllm-cpu:0.32.0" and "build" not in svc
+        kv = _kv_config(svc)
+        assert (kv["kv_connector"], kv["kv_role"], kv["kv_buffer_device"]) == ("NixlConnector", role, "cpu")
+        env = svc["environment"]
+        assert (env["VLLM_NIXL_SIDE_CHANNEL_HOST"], env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == (name, "5600")
+        assert "5600" in svc["expose"] and "kv" in svc["networks"]
+        assert svc["cpuset"] == env["VLLM_CPU_OMP_THREADS_BIND"] == core
+        assert int(svc["shm_size"]) >= 512 * 2**20
+        assert "PD_CHECKPOINT" not in env  # the numpy engine's variables do not reach vLLM
+    router = services["router"]["environment"]
+    assert (router["KV_CONNECTOR"], router["BACKEND_HEALTH_CHECK"], router["BACKEND_CAPABILITIES"]) == ("nixl", "http", "vllm")
+    assert services["prefill"]["depends_on"]["decode"]["condition"] == "service_healthy"
+    default = resolve(VLLM_CPU)["services"]
+    assert (default["prefill"]["cpuset"], default["decode"]["cpuset"]) == ("0", "1")
 
 
 def _kv_config(service: dict[str, Any]) -> dict[str, Any]:
@@ -145,7 +169,7 @@ def _config_only(folder: Path) -> bool:
     return all(p.is_file() and p.suffix in CONFIG_SUFFIXES for p in folder.iterdir())
 
 
-@pytest.mark.parametrize("files", [DISAGGREGATED, COLOCATED, GPU, P2PNCCL])
+@pytest.mark.parametrize("files", [DISAGGREGATED, COLOCATED, GPU, P2PNCCL, VLLM_CPU])
 def test_each_service_mounts_its_config_folder_and_no_source_folder(resolve, files) -> None:
     """/config is the top-level folder named after the service's role (the article's tree); no bind mount
     reaches into the code (stack/, doctor/)."""
