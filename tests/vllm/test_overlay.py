@@ -4,7 +4,8 @@ Builds the image offline (scripts/vllm-cpu-image.sh, a no-op when its inputs are
 with the commands `./pd up --vllm-cpu` runs (own project name, own ROUTER_PORT), sends chat requests with the
 official openai SDK, streamed and not, and proves the PD path from vLLM's own evidence: the router's prefill
 leg answered with kv_transfer_params, decode's `KV Transfer metrics: Num successful transfers=N` lines
-(vllm-project/vllm#42703) add up to every request, and both engines count the requests on /metrics.
+(vllm-project/vllm#42703) add up to every request, decode's `vllm:nixl_xfer_time_seconds` histogram counts a
+read per request, and both engines count the requests on /metrics.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def test_chat_streamed_and_not_goes_prefill_nixl_decode(stack: Stack, client: op
         assert stack.wait_for_event("router", "router.decode_first_token", rid, timeout_s=10), rid
     # vLLM's view: decode logs its NIXL transfers (every 10 s, so wait for the line), one per request at least.
     _wait_for(lambda: _transfers(stack) - before >= len(ids), 60, f"{len(ids)} KV transfers in decode's log")
-    # Both engines served every request: prefill its 1-token legs, decode the answers.
+    # Both engines served every request (prefill its 1-token legs, decode the answers), and decode's NIXL reads
+    # (its transfer-time histogram) count one per request.
     for service in ("prefill", "decode"):
         assert _metric(stack, service, "vllm:request_success_total") >= len(ids), service
+    assert _metric(stack, "decode", "vllm:nixl_xfer_time_seconds_count") >= len(ids)
