@@ -215,7 +215,7 @@ SIGNATURES: tuple[Signature, ...] = (
 # fallback; each alternative's source is cited there.
 UCX_TRANSPORT = Signature(
     "ucx.transport", "ok",
-    r"ucp_context_\d+ (?:intra|inter)-node cfg#\d+ |cuda-ipc get zcopy disabled as no nvlinks detected|"
+    r"UCX\s+INFO\s+\S+ (?:self|intra-node|inter-node) cfg#\d+ |cuda-ipc get zcopy disabled as no nvlinks detected|"
     r"software emulation\s*\|\s*tcp/|invalid device context",
     "UCX transport selection", "How UCX moves NIXL's KV between the engines.", "see doctor/checks/nixl_transport.py",
     "ai-dynamo/nixl#1097, vllm-project/vllm#55906, vllm-project/vllm#52607", fact=True)

@@ -26,7 +26,9 @@ from doctor.findings import Context, Finding, finding
 from doctor.parse import UPSTREAM, Record
 from doctor.signatures import UCX_TRANSPORT
 
-_LANES = re.compile(r"ucp_context_\d+ (intra|inter)-node cfg#\d+ (.*)")
+# `<context> <scope> cfg#N <lanes>`: the context is `ucp_context_0` (nixl#1097) or, as NIXL names it, the agent's id
+# (recorded here: UCX 1.23 in nixl-cu13 1.5.1); scope self / intra-node / inter-node.
+_LANES = re.compile(r"UCX\s+INFO\s+\S+ (self|intra-node|inter-node) cfg#\d+ (.*)")
 _LANE = re.compile(r"(\w+)\(([^)]*)\)")
 _DATA_LANES = {"rma", "rma_bw", "rma_am"}  # the lanes that carry NIXL's READ/WRITE of KV blocks
 _CUDA = re.compile(r"\b(?:cuda_ipc|cuda_copy|gdr_copy)/")
@@ -81,9 +83,10 @@ def check(ctx: Context) -> list[Finding]:
 
 
 def _data_lanes(line: str) -> list[str]:
-    """The transports of the RMA lanes (rma, rma_bw, rma_am) of one lane-selection line."""
+    """The transports of the RMA lanes (rma, rma_bw, rma_am) of one lane-selection line to a peer (a worker's
+    `self` configuration is its loopback, not the path to the other engine)."""
     match = _LANES.search(line)
-    if not match:
+    if not match or match.group(1) == "self":
         return []
     return [tl for name, tls in _LANE.findall(match.group(2)) if name in _DATA_LANES for tl in tls.split()]
 
@@ -98,10 +101,10 @@ def _fast_rma(line: str) -> bool:
 
 
 def _lanes_text(records: list[Record]) -> str:
-    """`intra-node rma_am(tcp/eth1)` for the first lane line, else the line itself (shortened)."""
+    """`intra-node rma_am(tcp/eth1)` for the first peer's lane line, else the line itself (shortened)."""
     for r in records:
         match = _LANES.search(r.line)
-        if match:
+        if match and match.group(1) != "self":
             data = [f"{n}({t})" for n, t in _LANE.findall(match.group(2)) if n in _DATA_LANES]
-            return f"{match.group(1)}-node " + (" ".join(data) or "no RMA lane")
+            return f"{match.group(1)} " + (" ".join(data) or "no RMA lane")
     return records[0].line[-120:] if records else "?"

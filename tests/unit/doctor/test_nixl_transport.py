@@ -34,4 +34,4 @@ def test_no_nvlink_pull_is_named_even_when_cuda_ipc_carries_writes():
 
 def test_lines_that_are_not_ucx_transport_do_not_match():
     assert match("(APIServer pid=1) INFO 12-01 [api_server.py:1] Started server process") is None
-    assert match("ucp_context_0 intra-node cfg#1 rma(posix/memory)").id == "ucx.transport"
+    assert match("ucp_worker.c:1912 UCX  INFO    ucp_context_0 intra-node cfg#1 rma(posix/memory)").id == "ucx.transport"
