@@ -136,6 +136,17 @@ SIGNATURES: tuple[Signature, ...] = (
         "vllm-project/vllm vllm/distributed/device_communicators/shm_broadcast.py check_shm_free_space; recorded "
         "here: vLLM 0.32.0 CPU in a container without shm_size"),
     Signature(
+        "vllm.nixl_cpu_affinity", "error",
+        r"sched_setaffinity\(0, rsv_cores_for_kv\)",
+        "vLLM's NIXL worker (CPU build) could not pin itself to the host's last core: the engine dies at start",
+        "On CPU, vLLM's NIXL worker reserves the last core of each NUMA node for KV transfers and pins its thread "
+        "there (os.sched_setaffinity); a container whose cpuset lacks that core refuses with EINVAL "
+        "(\"OSError: [Errno 22] Invalid argument\").",
+        "drop the engine's cpuset (compose.vllm-cpu.yaml binds compute with VLLM_CPU_OMP_THREADS_BIND instead) or "
+        "include the host's last core in it; then docker compose up -d prefill decode",
+        "vllm-project/vllm vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py; recorded here: "
+        "vLLM 0.32.0 CPU, prefill on cpuset 0 of a 2-core host"),
+    Signature(
         "kv.stranded_on_prefill", "warning",
         r"Releasing expired KV blocks for request (\S+)",
         "KV computed by prefill expired before decode pulled it",
