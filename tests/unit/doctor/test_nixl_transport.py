@@ -35,3 +35,12 @@ def test_no_nvlink_pull_is_named_even_when_cuda_ipc_carries_writes():
 def test_lines_that_are_not_ucx_transport_do_not_match():
     assert match("(APIServer pid=1) INFO 12-01 [api_server.py:1] Started server process") is None
     assert match("ucp_worker.c:1912 UCX  INFO    ucp_context_0 intra-node cfg#1 rma(posix/memory)").id == "ucx.transport"
+
+
+def test_recorded_cpu_overlay_lines_are_host_memory_over_tcp_and_fine():
+    """Recorded from compose.vllm-cpu.yaml: UCX 1.23 names the context by the NIXL agent id; host-memory KV over TCP
+    between two containers is the CPU overlay's expected path, an ok fact, never a fallback warning."""
+    findings, _ = diagnose(BUNDLES / "nixl_transport_cpu_recorded.log")
+    f = by_id(findings, "nixl.transport")
+    assert f.severity == "ok" and "host memory" in f.title and "rma_am(tcp/eth" in f.title
+    assert not [x for x in findings if x.id.startswith("nixl.") and x.severity != "ok"]
