@@ -90,9 +90,11 @@ def test_chat_streamed_and_not_goes_prefill_nixl_decode(stack: Stack, client: op
             assert answer.choices[0].finish_reason in ("length", "stop")
             assert answer.usage.completion_tokens >= 1 and answer.usage.prompt_tokens > 5
         assert text, f"{rid}: no text"
-        # The router's view: a prefill leg that returned vLLM's kv_transfer_params, then decode's first token.
+        # The router's view: a prefill leg that returned vLLM's kv_transfer_params, handed on to decode, answered 200.
         assert stack.wait_for_event("router", "router.prefill_done", rid, timeout_s=10), rid
-        assert stack.wait_for_event("router", "router.decode_first_token", rid, timeout_s=10), rid
+        assert stack.wait_for_event("router", "router.kv_handoff", rid, timeout_s=10), rid
+        done = stack.wait_for_event("router", "router.request_done", rid, timeout_s=10)
+        assert [d["status"] for d in done] == [200], (rid, done)
     # vLLM's view: decode logs its NIXL transfers (every 10 s, so wait for the line), one per request at least.
     _wait_for(lambda: _transfers(stack) - before >= len(ids), 60, f"{len(ids)} KV transfers in decode's log")
     # Both engines served every request (prefill its 1-token legs, decode the answers), and decode's NIXL reads
