@@ -76,7 +76,7 @@ def test_p2pnccl_overlay_pins_the_last_vllm_with_the_connector(resolve) -> None:
 
 def test_vllm_cpu_overlay_wires_nixl_side_channels_and_one_core_each(resolve) -> None:
     """compose.vllm-cpu.yaml: our vLLM-CPU image, NixlConnector with KV in host memory, each engine's side channel
-    named by its service on port 5600, each engine's OpenMP threads bound to its own core and no cpuset (vLLM's
+    (port 5600) and UCX on the kv network, each engine's OpenMP threads bound to its own core and no cpuset (vLLM's
     NIXL worker pins a thread to the host's last core, which a cpuset without it refuses), the router in vLLM
     mode (the runtime behaviour: tests/vllm/test_overlay.py)."""
     services = resolve(VLLM_CPU, {"PREFILL_CPUS": "1", "DECODE_CPUS": "0"})["services"]
@@ -86,8 +86,10 @@ def test_vllm_cpu_overlay_wires_nixl_side_channels_and_one_core_each(resolve) ->
         kv = _kv_config(svc)
         assert (kv["kv_connector"], kv["kv_role"], kv["kv_buffer_device"]) == ("NixlConnector", role, "cpu")
         env = svc["environment"]
-        assert (env["VLLM_NIXL_SIDE_CHANNEL_HOST"], env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == (name, "5600")
-        assert "5600" in svc["expose"] and "kv" in svc["networks"]
+        # side channel and UCX on the kv network: the entrypoint takes both from this kv-only alias
+        assert (env["VLLM_KV_ALIAS"], env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == (f"{name}-kv", "5600")
+        assert svc["networks"]["kv"]["aliases"] == [f"{name}-kv"] and "5600" in svc["expose"]
+        assert "VLLM_KV_ALIAS" in svc["entrypoint"][2] and "UCX_NET_DEVICES" in svc["entrypoint"][2]
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == core and "cpuset" not in svc
         assert int(svc["shm_size"]) >= 512 * 2**20
         assert "PD_CHECKPOINT" not in env  # the numpy engine's variables do not reach vLLM
