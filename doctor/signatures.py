@@ -147,6 +147,16 @@ SIGNATURES: tuple[Signature, ...] = (
         "vllm-project/vllm vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py; recorded here: "
         "vLLM 0.32.0 CPU, prefill on cpuset 0 of a 2-core host"),
     Signature(
+        "nixl.side_channel_bind", "error",
+        r"ZMQError: No such device \(addr='?(tcp://[^')]+)",
+        "The NIXL side channel could not bind: ZMQ took its host for a network device",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST names a host ZMQ could not resolve when it bound (a service name whose DNS "
+        "answer was slow or missing), so ZMQ read it as an interface name; the engine exits at start.",
+        "set VLLM_NIXL_SIDE_CHANNEL_HOST to the engine's address on the KV network (compose.vllm-cpu.yaml's "
+        "entrypoint does), or make the name resolvable in that container; then docker compose up -d prefill decode",
+        "vllm-project/vllm nixl side channel (zmq bind of tcp://HOST:PORT); recorded here: vLLM 0.32.0 CPU, "
+        "VLLM_NIXL_SIDE_CHANNEL_HOST=prefill on a loaded host (the cause is this project's reading of it)"),
+    Signature(
         "kv.stranded_on_prefill", "warning",
         r"Releasing expired KV blocks for request (\S+)",
         "KV computed by prefill expired before decode pulled it",
