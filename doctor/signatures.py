@@ -29,6 +29,7 @@ class Signature:
     fix: str
     source: str  # upstream file / issue thread the exact string comes from
     proof: bool = False  # a positive line: KV really moved (verify on a vLLM stack looks for it)
+    fact: bool = False  # not a finding by itself: a check reads these lines (UCX transport: checks/nixl_transport.py)
 
 
 RESTART_BOTH = "restart both engines: docker compose up -d --force-recreate prefill decode"
@@ -39,9 +40,10 @@ SIGNATURES: tuple[Signature, ...] = (
         r"Unsupported connector type: (\S+)",
         "A vLLM engine names a KV connector its vLLM does not have: it refuses to start",
         "--kv-transfer-config's kv_connector is not registered in this vLLM, so the server exits at start (the "
-        "container restarts or stays down). P2pNcclConnector is gone: not in vLLM 0.32.0 or 0.33.0.",
-        "use \"kv_connector\":\"NixlConnector\" (compose.gpu.yaml), or pin a vLLM image that still ships the "
-        "connector you name; docker compose logs prefill decode | grep -i connector",
+        "container restarts or stays down). P2pNcclConnector is gone since vLLM PR #44854 (after v0.22.1): not in 0.32.0 or 0.33.0.",
+        "P2pNccl: use compose.gpu.p2pnccl.yaml as shipped (it pins vllm/vllm-openai:v0.22.1, the last release before "
+        "vllm-project/vllm#44854 removed it); otherwise name a connector this vLLM has (NixlConnector: compose.gpu.yaml); "
+        "docker compose logs prefill decode | grep -i connector",
         "vllm-project/vllm vllm/distributed/kv_transfer/kv_connector/factory.py; recorded from vLLM 0.32.0 CPU "
         "(tests/unit/doctor/bundles/vllm_wrong_connector)"),
     Signature(
@@ -127,14 +129,36 @@ SIGNATURES: tuple[Signature, ...] = (
         "use an image whose UCX is built with CUDA (ucx_info -d | grep cuda), or set UCX_TLS to include cuda_copy,cuda_ipc",
         "vllm-project/vllm#41048"),
     Signature(
-        "nixl.tcp_fallback", "warning",
-        r"cuda-ipc get zcopy disabled as no nvlinks detected|software emulation \| tcp/|invalid device context",
-        "NIXL moves KV over TCP (no CUDA IPC between the containers)",
-        "Prefill and decode are on one host in separate containers without a shared PID namespace, so CUDA IPC is "
-        "off and UCX falls back to TCP (≈0.5 GB/s instead of tens of GB/s).",
-        "share the PID namespace (pid: container:<other>) and GPU visibility between the two engines, or use a "
-        "push connector; measure with python -m benchmarks.kv_transfer",
-        "vllm-project/vllm#55906, vllm-project/vllm#52607; ai-dynamo/nixl#1097"),
+        "vllm.shm_too_small", "error",
+        r"Insufficient space in /dev/shm for shared-memory allocation: (\d+ MiB) required",
+        "vLLM's container has too little /dev/shm: the engine core dies at start",
+        "vLLM's engine core and its worker exchange requests through a shared-memory ring in /dev/shm; Docker gives a "
+        "container 64 MiB, less than the ring needs, so the engine exits and the container never becomes healthy.",
+        "give the vLLM services shm_size: 1g (compose.vllm-cpu.yaml) or ipc: host (compose.gpu.yaml); then "
+        "docker compose up -d prefill decode",
+        "vllm-project/vllm vllm/distributed/device_communicators/shm_broadcast.py check_shm_free_space; recorded "
+        "here: vLLM 0.32.0 CPU in a container without shm_size"),
+    Signature(
+        "vllm.nixl_cpu_affinity", "error",
+        r"sched_setaffinity\(0, rsv_cores_for_kv\)",
+        "vLLM's NIXL worker (CPU build) could not pin itself to the host's last core: the engine dies at start",
+        "On CPU, vLLM's NIXL worker reserves the last core of each NUMA node for KV transfers and pins its thread "
+        "there (os.sched_setaffinity); a container whose cpuset lacks that core refuses with EINVAL "
+        "(\"OSError: [Errno 22] Invalid argument\").",
+        "drop the engine's cpuset (compose.vllm-cpu.yaml binds compute with VLLM_CPU_OMP_THREADS_BIND instead) or "
+        "include the host's last core in it; then docker compose up -d prefill decode",
+        "vllm-project/vllm vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py; recorded here: "
+        "vLLM 0.32.0 CPU, prefill on cpuset 0 of a 2-core host"),
+    Signature(
+        "nixl.side_channel_bind", "error",
+        r"ZMQError: No such device \(addr='?(tcp://[^')]+)",
+        "The NIXL side channel could not bind: ZMQ took its host for a network device",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST names a host ZMQ could not resolve when it bound (a service name whose DNS "
+        "answer was slow or missing), so ZMQ read it as an interface name; the engine exits at start.",
+        "set VLLM_NIXL_SIDE_CHANNEL_HOST to the engine's address on the KV network (compose.vllm-cpu.yaml's "
+        "entrypoint does), or make the name resolvable in that container; then docker compose up -d prefill decode",
+        "vllm-project/vllm nixl side channel (zmq bind of tcp://HOST:PORT); recorded here: vLLM 0.32.0 CPU, "
+        "VLLM_NIXL_SIDE_CHANNEL_HOST=prefill on a loaded host (the cause is this project's reading of it)"),
     Signature(
         "kv.stranded_on_prefill", "warning",
         r"Releasing expired KV blocks for request (\S+)",
@@ -213,6 +237,17 @@ SIGNATURES: tuple[Signature, ...] = (
         "nothing to fix",
         "vllm-project/vllm#42703", proof=True),
 )
+
+# How UCX moves NIXL's KV: lanes chosen (UCX_LOG_LEVEL=info), protocol tables (UCX_PROTO_INFO=y) and CUDA IPC
+# failures. Read together by doctor/checks/nixl_transport.py, which tells CUDA IPC / shared memory from a TCP
+# fallback; each alternative's source is cited there.
+UCX_TRANSPORT = Signature(
+    "ucx.transport", "ok",
+    r"UCX\s+INFO\s+\S+ (?:self|intra-node|inter-node) cfg#\d+ |cuda-ipc get zcopy disabled as no nvlinks detected|"
+    r"software emulation\s*\|\s*tcp/|invalid device context",
+    "UCX transport selection", "How UCX moves NIXL's KV between the engines.", "see doctor/checks/nixl_transport.py",
+    "ai-dynamo/nixl#1097, vllm-project/vllm#55906, vllm-project/vllm#52607", fact=True)
+SIGNATURES += (UCX_TRANSPORT,)
 
 BY_ID = {s.id: s for s in SIGNATURES}
 _COMPILED = tuple((s, re.compile(s.pattern)) for s in SIGNATURES)

@@ -13,6 +13,10 @@ import sys, tomllib
 with open(sys.argv[1], "rb") as f:
     print("\n".join(tomllib.load(f)["project"]["dependencies"]))
 PY
+# pip download evaluates python_full_version markers for this host's Python, not the image's: Debian bookworm's
+# python3 is 3.11.2, where redis needs async-timeout (`python_full_version < "3.11.3"`). Listed here so the
+# wheelhouse holds it whatever the host runs (harmless on python:3.11-slim, which is newer).
+echo 'async-timeout>=4.0.3' >>"$reqs"
 if [[ -f "$wheels/requirements.txt" ]] && cmp -s "$reqs" "$wheels/requirements.txt"; then
     exit 0
 fi

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from doctor.checks import (auth_401, backends, bypass, choices_parse, client_view, config_mismatch, healthy, kv_transfer,
-                           local_proxy, model_name, oauth, p2pnccl, stalled, unexplained, upstream)
+                           local_proxy, model_name, nixl_transport, oauth, p2pnccl, stalled, unexplained, upstream)
 from doctor.findings import Context, Finding
 
 
@@ -35,6 +35,8 @@ REGISTRY: tuple[Check, ...] = (
     Check("kv_transfer", "KV port mismatch, unreachable KV port, buffer too small, timeouts, model mismatch",
           kv_transfer.check),
     Check("upstream", "real vLLM / NIXL / UCX / SGLang / Mooncake / NCCL failure strings", upstream.check),
+    Check("nixl_transport", "how NIXL's KV moves (UCX lanes): CUDA IPC / shared memory, or a silent TCP fallback",
+          nixl_transport.check),
     Check("p2pnccl", "vLLM P2pNccl engines not registered with the router, dropped, or pinging another format",
           p2pnccl.check),
 )

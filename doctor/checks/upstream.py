@@ -21,7 +21,7 @@ def check(ctx: Context) -> list[Finding]:
     # blocks for a decode that the router rightly never sends). vLLM names them chatcmpl-<X-Request-ID>-<8 hex>.
     finished = {r.request_id for r in ctx.by_event(events.ROUTER_PREFILL_FINISHED)}
     for sig in SIGNATURES:
-        if sig.proof:
+        if sig.proof or sig.fact:
             continue
         seen = ctx.by_event(UPSTREAM + sig.id)
         if sig.id == "kv.stranded_on_prefill" and finished:

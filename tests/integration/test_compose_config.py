@@ -17,6 +17,7 @@ pytestmark = pytest.mark.integration
 
 GPU = ("compose.yaml", "compose.gpu.yaml")
 P2PNCCL = (*GPU, "compose.gpu.p2pnccl.yaml")
+VLLM_CPU = ("compose.yaml", "compose.vllm-cpu.yaml")
 
 
 @pytest.fixture()
@@ -47,6 +48,57 @@ def test_gpu_overlay_validates_with_vllm_and_gpu_reservations(resolve, files, co
         assert kv_config["kv_connector"] == connector
         assert kv_config["kv_role"] == role
     assert config["services"]["router"]["image"] == "pd-deploy/app:latest"
+
+
+def test_gpu_overlay_gives_nixl_the_same_host_fast_path(resolve) -> None:
+    """compose.gpu.yaml: both engines see every GPU and pick their own (CUDA IPC needs mutual visibility), prefill
+    lives in decode's PID namespace and is restarted with it, both share the host IPC namespace, and UCX logs the
+    lanes it chose (the doctor's evidence of CUDA IPC vs TCP): vllm-project/vllm#55906."""
+    services = resolve(GPU, {"PREFILL_GPU": "2", "DECODE_GPU": "3"})["services"]
+    prefill, decode = services["prefill"], services["decode"]
+    for svc in (prefill, decode):
+        assert svc["deploy"]["resources"]["reservations"]["devices"][0]["count"] == -1  # count: all
+        assert svc["ipc"] == "host"
+        assert (svc["environment"]["CUDA_DEVICE_ORDER"], svc["environment"]["UCX_TLS"]) == ("PCI_BUS_ID", "all")
+        assert svc["environment"]["UCX_LOG_LEVEL"] == "info"
+    assert (prefill["environment"]["CUDA_VISIBLE_DEVICES"], decode["environment"]["CUDA_VISIBLE_DEVICES"]) == ("2", "3")
+    assert prefill["pid"] == "service:decode" and "pid" not in decode
+    assert prefill["depends_on"]["decode"] == {"condition": "service_healthy", "restart": True, "required": True}
+
+
+def test_p2pnccl_overlay_pins_the_last_vllm_with_the_connector(resolve) -> None:
+    """P2pNcclConnector left vLLM in PR #44854 (after v0.22.1): the overlay pins v0.22.1 on both engines, never
+    `latest` (which fails with `Unsupported connector type: P2pNcclConnector`); the NIXL overlay keeps VLLM_IMAGE."""
+    services = resolve(P2PNCCL, {"VLLM_IMAGE": "vllm/vllm-openai:v0.33.0"})["services"]
+    assert services["prefill"]["image"] == services["decode"]["image"] == "vllm/vllm-openai:v0.22.1"
+    assert resolve(GPU, {"VLLM_IMAGE": "vllm/vllm-openai:v0.33.0"})["services"]["decode"]["image"].endswith("v0.33.0")
+
+
+def test_vllm_cpu_overlay_wires_nixl_side_channels_and_one_core_each(resolve) -> None:
+    """compose.vllm-cpu.yaml: our vLLM-CPU image, NixlConnector with KV in host memory, each engine's side channel
+    (port 5600) and UCX on the kv network, each engine's OpenMP threads bound to its own core and no cpuset (vLLM's
+    NIXL worker pins a thread to the host's last core, which a cpuset without it refuses), the router in vLLM
+    mode (the runtime behaviour: tests/vllm/test_overlay.py)."""
+    services = resolve(VLLM_CPU, {"PREFILL_CPUS": "1", "DECODE_CPUS": "0"})["services"]
+    for name, role, core in (("prefill", "kv_producer", "1"), ("decode", "kv_consumer", "0")):
+        svc = services[name]
+        assert svc["image"] == "pd-deploy/vllm-cpu:0.32.0" and "build" not in svc
+        kv = _kv_config(svc)
+        assert (kv["kv_connector"], kv["kv_role"], kv["kv_buffer_device"]) == ("NixlConnector", role, "cpu")
+        env = svc["environment"]
+        # side channel and UCX on the kv network: the entrypoint takes both from this kv-only alias
+        assert (env["VLLM_KV_ALIAS"], env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == (f"{name}-kv", "5600")
+        assert svc["networks"]["kv"]["aliases"] == [f"{name}-kv"] and "5600" in svc["expose"]
+        assert "VLLM_KV_ALIAS" in svc["entrypoint"][2] and "UCX_NET_DEVICES" in svc["entrypoint"][2]
+        assert env["VLLM_CPU_OMP_THREADS_BIND"] == core and "cpuset" not in svc
+        assert int(svc["shm_size"]) >= 512 * 2**20
+        assert "PD_CHECKPOINT" not in env  # the numpy engine's variables do not reach vLLM
+    router = services["router"]["environment"]
+    assert (router["KV_CONNECTOR"], router["BACKEND_HEALTH_CHECK"], router["BACKEND_CAPABILITIES"]) == ("nixl", "http", "vllm")
+    assert services["prefill"]["depends_on"]["decode"]["condition"] == "service_healthy"
+    default = resolve(VLLM_CPU)["services"]
+    # decode away from the host's last core, where both engines' NIXL workers spin a thread
+    assert [default[n]["environment"]["VLLM_CPU_OMP_THREADS_BIND"] for n in ("prefill", "decode")] == ["1", "0"]
 
 
 def _kv_config(service: dict[str, Any]) -> dict[str, Any]:
@@ -121,7 +173,7 @@ def _config_only(folder: Path) -> bool:
     return all(p.is_file() and p.suffix in CONFIG_SUFFIXES for p in folder.iterdir())
 
 
-@pytest.mark.parametrize("files", [DISAGGREGATED, COLOCATED, GPU, P2PNCCL])
+@pytest.mark.parametrize("files", [DISAGGREGATED, COLOCATED, GPU, P2PNCCL, VLLM_CPU])
 def test_each_service_mounts_its_config_folder_and_no_source_folder(resolve, files) -> None:
     """/config is the top-level folder named after the service's role (the article's tree); no bind mount
     reaches into the code (stack/, doctor/)."""
