@@ -9,6 +9,7 @@ import numpy as np
 from stack.bench import agentic, compare, report, serve
 from stack.bench.dataset import byte_count
 from tests.unit.bench.test_compare_report import fake_result
+from tests.unit.bench.test_serve import parse
 
 SHAPE = agentic.AgenticShape(sessions=3, turns=3, system_len=500, tools=2, turn_len=40, output_len=4, think_mean_s=0.01,
                              stagger_s=0.05)
@@ -31,14 +32,6 @@ def test_sessions_are_seeded_share_one_prefix_and_grow_each_turn() -> None:
         assert workload.messages(session, 0)[0] == {"role": "system", "content": workload.system}
     body = workload.payload("m", workload.sessions[0], 1)
     assert body["ignore_eos"] and body["max_completion_tokens"] == 4 and body["tools"] == list(workload.tools)
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    serve.add_cli_args(parser)
-    args = parser.parse_args(argv)
-    assert serve.check_args(args) == []
-    return args
 
 
 async def test_agentic_run_sends_each_sessions_turns_in_order_with_its_header(sse_server, plan) -> None:
