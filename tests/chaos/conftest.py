@@ -17,6 +17,7 @@ import asyncio
 import json
 import time
 import urllib.request
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -116,7 +117,9 @@ class Load:
 
     async def one(self, session: aiohttp.ClientSession) -> Result:
         body = {"model": MODEL, "messages": PROMPT, "stream": True, "max_tokens": self.max_tokens, "ignore_eos": True}
-        headers = {"Authorization": f"Bearer {self.stack.api_key}"}
+        # Each request is its own conversation (a fresh x-session-id), as many independent clients are: the router's
+        # cache_aware policy would otherwise keep one repeated prompt on one backend of each pool.
+        headers = {"Authorization": f"Bearer {self.stack.api_key}", "x-session-id": uuid.uuid4().hex}
         started = time.monotonic()
 
         def result(outcome: str, status: int | None = None, detail: str = "") -> Result:
