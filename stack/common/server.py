@@ -1,7 +1,13 @@
 """Run an aiohttp app plus its gRPC health server until SIGTERM/SIGINT (engine and router mains).
 
 Order: health server up (NOT_SERVING) → HTTP site listening → `warmup()` → SERVING → liveness
-watchdog → wait for a signal → NOT_SERVING → stop accepting, let in-flight requests finish → exit.
+watchdog → wait for a signal → (`PD_STOP_DELAY_S`: keep serving) → NOT_SERVING → stop accepting, let in-flight
+requests finish → exit.
+
+`PD_STOP_DELAY_S` (default 0) is Kubernetes' preStop sleep: a replaced replica keeps serving that long after SIGTERM,
+so a router that discovers replicas by DNS (interval + a health probe) has found the new one before the old one
+leaves. Swarm's start-first update stops the old task the moment the new one is healthy; with a single replica
+and no delay the pool is empty for that gap (deploy/swarm/stack.yaml sets it).
 
 Self-healing (issue 12). Docker's restart policies act only on a container that exits; an
 *unhealthy* one keeps running (moby/moby#28400, open since 2016; `--exit-on-unhealthy` was cut from
@@ -126,6 +132,7 @@ async def serve(
     if watchdog is not None:
         watchdog.stop()
     log_event(events.SERVICE_STOPPING, "signal received; draining")
+    await asyncio.sleep(float(os.environ.get("PD_STOP_DELAY_S") or 0))
     await health.set_not_serving()
     await runner.cleanup()
     await health.stop()
