@@ -79,13 +79,14 @@ def test_scale_prefill_then_decode_live_without_a_failed_request(stack: Stack) -
 
     def scale() -> None:
         for name, counts in (("2P1D", ("prefill=2", "decode=1")), ("1P2D", ("prefill=1", "decode=2"))):
-            began, t0 = len(load.results), time.monotonic()
+            t0 = time.monotonic()
             result = pd(stack, "scale", *counts)
             assert result.returncode == 0, f"./pd scale {' '.join(counts)} failed:\n{result.stderr[-3000:]}"
             steps[name] = {"output": result.stdout, "pools": router_health(stack)["pools"], "took_s": time.monotonic() - t0,
                            "prefill": replicas(stack, "prefill"), "decode": replicas(stack, "decode")}
-            # Traffic through the new shape before the next change (the load keeps running meanwhile).
-            deadline = time.monotonic() + 60
+            # Traffic through the new shape before the next change (the load keeps running meanwhile): 12 requests
+            # counted from when the router shows the new shape, not from when the scale began (it takes 7-14 s).
+            began, deadline = len(load.results), time.monotonic() + 60
             while len(load.results) < began + 12 and time.monotonic() < deadline:
                 time.sleep(0.2)
             steps[name]["served"] = [served(c) for c in steps[name]["prefill"] + steps[name]["decode"]]  # before any is removed
