@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -101,14 +101,31 @@ def prompt_prefix(body: Mapping[str, Any], chars: int) -> str:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return ""
-    opening = []
-    for message in messages:
-        opening.append(message)
-        if isinstance(message, dict) and message.get("role") == "user":
+    rendered, length = [], 0
+    for piece in _opening_pieces(body.get("tools") or [], messages):
+        rendered.append(piece)
+        length += len(piece)
+        if length >= chars:  # an agent's tools alone run to tens of KB: render no more than is hashed
             break
-    rendered = "".join(json.dumps(part, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
-                       for part in (body.get("tools") or [], *opening))
-    return rendered[:chars]
+    return "".join(rendered)[:chars]
+
+
+def _opening_pieces(tools: Any, messages: list[Any]) -> Iterator[str]:
+    """The JSON of the tools, then of each message up to the first user one, a piece at a time. Joined, the pieces
+    equal dumping the tools list whole (a list's JSON is "[" + items joined by "," + "]"), then each message."""
+    def dump(part: Any) -> str:
+        return json.dumps(part, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+    if isinstance(tools, list):
+        yield "["
+        for i, tool in enumerate(tools):
+            yield ("," if i else "") + dump(tool)
+        yield "]"
+    else:
+        yield dump(tools)
+    for message in messages:
+        yield dump(message)
+        if isinstance(message, dict) and message.get("role") == "user":
+            return
 
 
 def request_affinity(headers: Mapping[str, str], body: Mapping[str, Any], prefix_chars: int) -> Affinity | None:
