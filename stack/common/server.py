@@ -98,6 +98,7 @@ async def serve(
     last answer), else it is closed: slowloris and idle sockets cannot pile up. aiohttp arms this timer at connect
     (its keepalive_timeout); engines keep it above the router's client keep-alive (30 s) so they never close a
     connection the router is about to reuse."""
+    stop_delay_s = float(os.environ.get("PD_STOP_DELAY_S") or 0)  # read at start: a bad value fails now, not at stop
     health = await start_health_server(health_port, host)
     # handler_cancellation: a client that disconnects cancels its handler, so a non-streamed request
     # stops its upstream work too (the router's PD legs, the engine's sequence). aiohttp's TestServer,
@@ -132,7 +133,7 @@ async def serve(
     if watchdog is not None:
         watchdog.stop()
     log_event(events.SERVICE_STOPPING, "signal received; draining")
-    await asyncio.sleep(float(os.environ.get("PD_STOP_DELAY_S") or 0))
+    await asyncio.sleep(stop_delay_s)
     await health.set_not_serving()
     await runner.cleanup()
     await health.stop()
