@@ -170,23 +170,32 @@ class KVCache:
         ends = [*breaks.tolist(), len(table)]
         return [(int(table[a]), a * bs, min(b * bs, end)) for a, b in zip(starts, ends)]
 
-    def views(self, layer: int, end: int, start: int = 0) -> list[tuple[np.ndarray, np.ndarray, int]]:
-        """Layer `layer`'s positions [start, end) as (K, V, first position) views, one per run."""
-        cfg, out = self.config, []
-        for block, lo, hi in self.runs(end):
-            if hi <= start:
+    def spans(self, end: int, start: int = 0, runs: list[tuple[int, int, int]] | None = None) -> list[tuple[slice, slice, int]]:
+        """Where positions [start, end) lie: per run, (pool block slice, row slice within those blocks' rows,
+        first position). `runs` is `runs(end)` when the caller has it (a step computes them once for all layers)."""
+        bs, out = self.pool.block_size, []
+        for block, lo, hi in self.runs(end) if runs is None else runs:
+            if hi <= start or lo >= end:
                 continue
-            rows = (-(-hi // self.pool.block_size)) * self.pool.block_size - lo  # whole blocks of the run
-            b = block + rows // self.pool.block_size
-            k = self.pool.k[layer, block:b].reshape(rows, cfg.n_kv_heads, cfg.head_dim)
-            v = self.pool.v[layer, block:b].reshape(rows, cfg.n_kv_heads, cfg.head_dim)
-            a = max(start, lo)
-            out.append((k[a - lo : hi - lo], v[a - lo : hi - lo], a))
+            hi, a = min(hi, end), max(start, lo)
+            out.append((slice(block, block + (-(-hi // bs) - lo // bs)), slice(a - lo, hi - lo), a))
         return out
 
-    def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+    def views(self, layer: int, end: int, start: int = 0,
+              runs: list[tuple[int, int, int]] | None = None) -> list[tuple[np.ndarray, np.ndarray, int]]:
+        """Layer `layer`'s positions [start, end) as (K, V, first position) views, one per run."""
+        shape = (-1, self.config.n_kv_heads, self.config.head_dim)  # (positions, KV, hd)
+        return [(self.pool.k[layer, blocks].reshape(shape)[rows], self.pool.v[layer, blocks].reshape(shape)[rows], a)
+                for blocks, rows, a in self.spans(end, start, runs)]
+
+    def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray,
+              runs: list[tuple[int, int, int]] | None = None) -> None:
         """Store (T, n_kv_heads, head_dim) K and V at positions [start, start + T) of layer `layer`."""
-        for kd, vd, pos in self.views(layer, start + len(k), start):
+        if len(k) == 1:  # a decode token: one row of one block
+            block, row = self.table[start // self.pool.block_size], start % self.pool.block_size
+            self.pool.k[layer, block, row], self.pool.v[layer, block, row] = k[0], v[0]
+            return
+        for kd, vd, pos in self.views(layer, start + len(k), start, runs):
             kd[...] = k[pos - start : pos - start + len(kd)]
             vd[...] = v[pos - start : pos - start + len(vd)]
 
@@ -255,31 +264,27 @@ class PagedView(np.lib.mixins.NDArrayOperatorsMixin):
         cfg = self.cache.config
         return (cfg.n_layers, self.cache.capacity, cfg.n_kv_heads, cfg.head_dim)
 
-    def _parts(self, key: object) -> tuple[list[int] | int, list[np.ndarray]]:
-        """The layer index (or indices) and, per run, the (L, n, KV, hd) views of the keyed positions."""
+    def _parts(self, key: object) -> list[np.ndarray]:
+        """Per run, the ([L,] n, KV, hd) views of the keyed positions (an empty one for an empty range)."""
         layer, positions = (key if isinstance(key, tuple) else (key, slice(None)))
         if layer is Ellipsis:
             layer = slice(None)
         start, stop, step = (positions.indices(self.cache.capacity) if isinstance(positions, slice)
                              else (positions, positions + 1, 1))
         assert step == 1, "positions are read in order"
-        bs, cfg, parts = self.cache.pool.block_size, self.cache.config, []
-        for block, lo, hi in self.cache.runs(stop):
-            if hi <= start:
-                continue
-            b = block + (-(-hi // bs) - lo // bs)
-            run = self.store[layer, block:b]  # ([L,] blocks, bs, KV, hd)
-            run = run.reshape(*run.shape[:-4], -1, cfg.n_kv_heads, cfg.head_dim)  # ([L,] positions, KV, hd)
-            parts.append(run[..., max(start, lo) - lo : hi - lo, :, :])
-        return layer, parts
+        cfg, parts = self.cache.config, []
+        for blocks, rows, _ in self.cache.spans(stop, start) or [(slice(0, 0), slice(0, 0), 0)]:
+            run = self.store[layer, blocks]  # ([L,] blocks, bs, KV, hd)
+            parts.append(run.reshape(*run.shape[:-4], -1, cfg.n_kv_heads, cfg.head_dim)[..., rows, :, :])  # ([L,] n, KV, hd)
+        return parts
 
     def __getitem__(self, key: object) -> np.ndarray:
-        _, parts = self._parts(key)
+        parts = self._parts(key)
         out = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=-3)
         return out[..., 0, :, :] if isinstance(key, tuple) and isinstance(key[1], int) else out
 
     def __setitem__(self, key: object, value: object) -> None:
-        _, parts = self._parts(key)
+        parts = self._parts(key)
         value = np.asarray(value, self.dtype)
         at = 0
         for part in parts:

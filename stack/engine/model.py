@@ -94,6 +94,7 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
     rotation = rope_rotation(cfg, positions)  # (N, 1, hd/2) complex64
     N = len(tokens)
     tasks = attention_tasks(segments, lengths, H // KV)  # (segment, first query, end query), each a unit of work
+    runs = [s.cache.runs(s.start_pos + T) for s, T in zip(segments, lengths)]  # block runs, the same in every layer
     groups = attention_groups([(hi - lo) * (segments[j].start_pos + hi) for j, lo, hi in tasks])
 
     x = w.tok_embeddings[tokens]  # (N, dim)
@@ -104,7 +105,7 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
         q, k = qk[:, :H], qk[:, H:]  # (N, H, hd), (N, KV, hd)
         v = qkv[:, (H + KV) * hd :].reshape(N, KV, hd)  # (N, KV, hd)
         for j, s in enumerate(segments):
-            s.cache.write(layer_index, s.start_pos, k[offsets[j] : offsets[j + 1]], v[offsets[j] : offsets[j + 1]])
+            s.cache.write(layer_index, s.start_pos, k[offsets[j] : offsets[j + 1]], v[offsets[j] : offsets[j + 1]], runs[j])
         attn = np.empty((N, H, hd), np.float32)  # (N, H, hd)
 
         def attend(group: list[int], layer_index: int = layer_index, q: np.ndarray = q, attn: np.ndarray = attn) -> None:
@@ -112,7 +113,7 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
                 j, lo, hi = tasks[t]
                 s, first = segments[j], segments[j].start_pos + lo
                 rows = slice(offsets[j] + lo, offsets[j] + hi)
-                attn[rows] = attention(q[rows], s.cache.views(layer_index, s.start_pos + hi), first)
+                attn[rows] = attention(q[rows], s.cache.views(layer_index, s.start_pos + hi, 0, runs[j]), first)
 
         if len(groups) == 1:
             attend(groups[0])

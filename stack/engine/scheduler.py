@@ -44,7 +44,7 @@ from stack.engine.metrics import EngineMetrics
 from stack.engine.model import Model, Segment, forward
 from stack.engine.prefix_cache import PrefixCache
 from stack.engine.protocol import SamplingParams
-from stack.engine.sampling import adjust, logprobs, sample
+from stack.engine.sampling import next_token
 from stack.engine.sequence import Output, Prefilled, PromptKV, Sequence, TokenLogprob
 from stack.engine.tokenizer import IncrementalDecoder
 
@@ -279,24 +279,7 @@ class Scheduler:
         hooks = [(w.seq.on_layer, w.segment.cache) for w in work if w.samples and w.seq.on_layer is not None and w.seq.prefilling]
         on_layer = (lambda layer: [hook(layer, cache) for hook, cache in hooks]) if hooks else None
         logits = forward(self.model, [w.segment for w in work], on_layer=on_layer)  # (len(work), vocab)
-        return [self._sample(w.seq, row) if w.samples else None for w, row in zip(work, logits)]
-
-    def _sample(self, seq: Sequence, row: np.ndarray) -> tuple[int, TokenLogprob | None]:
-        """(vocab,) raw logits -> the next token of `seq` (and its logprobs if asked for)."""
-        p, step = seq.params, len(seq.output)
-        banned = None
-        if step < p.min_tokens:  # vLLM's min_tokens: no EOS and no stop_token_ids yet
-            banned = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.model.tokenizer.stop_ids)
-        processed = row
-        if p.logit_bias or banned or seq.counts is not None or seq.constraint is not None:
-            processed = adjust(row, bias=p.logit_bias, banned=banned, counts=seq.counts, in_prompt=seq.in_prompt,
-                               repetition=p.repetition_penalty, frequency=p.frequency_penalty, presence=p.presence_penalty,
-                               allowed=None if seq.constraint is None else seq.constraint.allowed())
-        token = sample(processed, p.temperature, p.top_p, seq.seed, step, top_k=p.top_k, min_p=p.min_p, choice=seq.choice)
-        if p.logprobs is None:
-            return token, None
-        chosen, top = logprobs(row, token, p.logprobs)
-        return token, TokenLogprob(token, chosen, top)
+        return [next_token(w.seq, row, self.model.tokenizer.stop_ids) if w.samples else None for w, row in zip(work, logits)]
 
     def _commit(self, work: list[_Work], tokens: list[tuple[int, TokenLogprob | None] | None]) -> None:
         for item, token in zip(work, tokens):
