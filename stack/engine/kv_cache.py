@@ -199,6 +199,10 @@ class KVCache:
             kd[...] = k[pos - start : pos - start + len(kd)]
             vd[...] = v[pos - start : pos - start + len(vd)]
 
+    def head(self, num_tokens: int) -> tuple[PagedView, PagedView]:
+        """K and V of positions [0, num_tokens) as views that read the blocks only when indexed (no copy now)."""
+        return PagedView(self, self.pool.k, num_tokens), PagedView(self, self.pool.v, num_tokens)
+
     @property
     def nbytes(self) -> int:
         """Bytes of the valid part (what a transfer ships)."""
@@ -255,21 +259,21 @@ class PagedView(np.lib.mixins.NDArrayOperatorsMixin):
     run of consecutive blocks, else a gathered copy; a write (`view[...] = x`) goes to the blocks.
     Arithmetic and numpy functions see the gathered whole."""
 
-    def __init__(self, cache: KVCache, store: np.ndarray) -> None:
-        self.cache, self.store = cache, store
+    def __init__(self, cache: KVCache, store: np.ndarray, length: int | None = None) -> None:
+        self.cache, self.store, self.length = cache, store, length  # length: positions shown (default: capacity)
         self.dtype = store.dtype
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         cfg = self.cache.config
-        return (cfg.n_layers, self.cache.capacity, cfg.n_kv_heads, cfg.head_dim)
+        return (cfg.n_layers, self.cache.capacity if self.length is None else self.length, cfg.n_kv_heads, cfg.head_dim)
 
     def _parts(self, key: object) -> list[np.ndarray]:
         """Per run, the ([L,] n, KV, hd) views of the keyed positions (an empty one for an empty range)."""
         layer, positions = (key if isinstance(key, tuple) else (key, slice(None)))
         if layer is Ellipsis:
             layer = slice(None)
-        start, stop, step = (positions.indices(self.cache.capacity) if isinstance(positions, slice)
+        start, stop, step = (positions.indices(self.shape[1]) if isinstance(positions, slice)
                              else (positions, positions + 1, 1))
         assert step == 1, "positions are read in order"
         cfg, parts = self.cache.config, []
@@ -297,5 +301,5 @@ class PagedView(np.lib.mixins.NDArrayOperatorsMixin):
         return getattr(ufunc, method)(*arrays, **kwargs)
 
     def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
-        out = self[:, : self.cache.capacity]
+        out = self[:, :]
         return out if dtype is None else out.astype(dtype)

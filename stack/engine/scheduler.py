@@ -134,7 +134,7 @@ class Scheduler:
             return Prefilled(out, None, release)
         n = len(prompt)
         first_logprob = out.logprobs[0] if out.logprobs else None
-        return Prefilled(out, PromptKV(cache.k[:, :n], cache.v[:, :n], seq.output[0], seq.seed, first_logprob,  # gathered if paged apart
+        return Prefilled(out, PromptKV(*cache.head(n), seq.output[0], seq.seed, first_logprob,
                                        cached_tokens=seq.cached_tokens), release)
 
     def cancel(self, seq: Sequence) -> None:
