@@ -10,6 +10,7 @@ bandwidth, loopback socket bandwidth, the BLAS threadpoolctl sees), then
 - decode tok/s at --batches (1, 8, 32) x --contexts (800, 8k), every sequence in its own pool blocks, against
   (weights + the batch's KV) bytes per step / the copy bandwidth;
 - peak resident memory of the longest prefill and of the largest batch x context (sampled while it runs);
+- attention on one thread vs spread over the cores (paired runs), for the largest decode batch and a prefill;
 - the KV transfer (kv_transfer.py), and the GEMM rate again (drift = the machine's load changed).
 --quick: prefill 1k and 4k, context 800 only. Thread count: whatever numpy/OpenBLAS uses in this process
 (set OPENBLAS_NUM_THREADS to pin it); every figure and its bound use the same one.
@@ -164,6 +165,44 @@ def decode_step_seconds(bench: Bench, batch: int, context: int, k: np.ndarray, v
     return best_time(lambda: [step() for _ in range(DECODE_STEPS)], bench.repeat, bench.clock) / DECODE_STEPS
 
 
+def attention_split(bench: Bench) -> None:
+    """Attention's tasks on one thread vs spread over the process's cores (model.attention_groups), for the largest
+    decode batch at the first context and the second prefill point, in alternating paired runs so a drifting load on
+    a shared machine hits both alike (median of the pairs)."""
+    from stack.engine import model as model_module
+
+    measured = model_module.attention_threads  # swapped per run below, restored at the end
+    threads = measured()
+    if threads == 1:
+        bench.report("attention split", "skipped", "one core (or OPENBLAS_NUM_THREADS=1): nothing to split over")
+        return
+    model = bench.model
+    context, batch = fitting(model, POINTS["contexts"], DECODE_STEPS * (bench.repeat + 1))[0], max(POINTS["batches"])
+    T = fitting(model, POINTS["prefill"])[min(1, len(POINTS["prefill"]) - 1)]
+    source = KVCache(model.config, context)
+    prefill_into(model, source, np.random.default_rng(2).integers(0, model.config.vocab_size, context))
+    tokens = np.random.default_rng(1).integers(0, model.config.vocab_size, T)  # (T,)
+
+    def prefill_seconds() -> float:
+        return best_time(lambda: prefill_into(model, KVCache(model.config, T), tokens), 1, bench.clock)
+
+    arms = {f"decode batch {batch}, context {context}": lambda: decode_step_seconds(bench, batch, context, source.k[:, :context],
+                                                                                   source.v[:, :context]),
+            f"prefill {T} tokens": prefill_seconds}
+    try:
+        for label, seconds in arms.items():
+            one, split = [], []
+            for _ in range(bench.repeat):
+                model_module.attention_threads = lambda: 1  # type: ignore[assignment]
+                one.append(seconds())
+                model_module.attention_threads = lambda: threads  # type: ignore[assignment]
+                split.append(seconds())
+            bench.report(f"{label}: attention on {threads} threads", f"{float(np.median(np.array(one) / np.array(split))):8.2f} x",
+                         "one thread's time / split time (paired median)")
+    finally:
+        model_module.attention_threads = measured  # type: ignore[assignment]
+
+
 def fitting(model: Model, points: list[int], slack: int = 0) -> list[int]:
     """The points the model's context holds (dummy:tiny stops at 512)."""
     return [p for p in points if p + slack <= model.config.max_seq_len]
@@ -203,7 +242,8 @@ def stability(bench: Bench) -> None:
 
 
 # Append a section (a function taking the `Bench`) to add figures; baselines run first.
-SECTIONS: list[Section] = [gemm_peak, copy_bandwidth, blas, socket_bandwidth, prefill, decode, kv_transfer, stability]
+SECTIONS: list[Section] = [gemm_peak, copy_bandwidth, blas, socket_bandwidth, prefill, decode, attention_split, kv_transfer,
+                           stability]
 
 
 def points(argv: list[str]) -> list[str]:
