@@ -40,23 +40,21 @@ def attention(q: np.ndarray, runs: Runs, start_pos: int) -> np.ndarray:
     G = H // runs[0][0].shape[1]
     q = q * np.float32(hd**-0.5)  # (T, H, hd) scaled copy
     if T * G < THIN_QUERIES:
-        return attend_thin(q, runs, start_pos)
+        return attend_thin(q, runs, start_pos, G)
     out = np.empty((T, H, hd), np.float32)  # (T, H, hd)
     for a in range(0, T, QUERY_BLOCK):
         b = min(T, a + QUERY_BLOCK)
-        out[a:b] = attend_block(q[a:b], runs, start_pos + a)
+        out[a:b] = attend_block(q[a:b], runs, start_pos + a, G)
     return out
 
 
-def attend_block(q: np.ndarray, runs: Runs, first: int) -> np.ndarray:
-    """Scaled queries at positions [first, first + c), one KV head at a time, tile by tile.
+def attend_block(q: np.ndarray, runs: Runs, first: int, G: int) -> np.ndarray:
+    """Scaled queries at positions [first, first + c), one KV head (G query heads) at a time, tile by tile.
     (c, H, hd), runs -> (c, H, hd)"""
     c, H, hd = q.shape
-    KV = runs[0][0].shape[1]
-    G = H // KV
     tiles = [(k, v, causal_mask(first, c, pos, len(k))) for k, v, pos in key_tiles(runs, first + c, KEY_BLOCK)]
     out = np.empty((c, H, hd), np.float32)  # (c, H, hd)
-    for h in range(KV):
+    for h in range(H // G):
         group = slice(h * G, (h + 1) * G)
         qh = q[:, group].reshape(c * G, hd)  # (c*G, hd), row = (query, group member)
         state = None
@@ -69,12 +67,11 @@ def attend_block(q: np.ndarray, runs: Runs, first: int) -> np.ndarray:
     return out
 
 
-def attend_thin(q: np.ndarray, runs: Runs, first: int) -> np.ndarray:
+def attend_thin(q: np.ndarray, runs: Runs, first: int, G: int) -> np.ndarray:
     """Few scaled queries (decode) at positions [first, first + T), all KV heads in one batched matmul per tile.
     (T, H, hd), runs -> (T, H, hd)"""
     T, H, hd = q.shape
-    KV = runs[0][0].shape[1]
-    G = H // KV
+    KV = H // G
     qt = q.reshape(T, KV, G, hd).transpose(1, 3, 0, 2).reshape(KV, hd, T * G)  # (KV, hd, T*G)
     state = None
     for k, v, pos in key_tiles(runs, first + T, THIN_KEY_BLOCK):
