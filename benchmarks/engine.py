@@ -11,6 +11,7 @@ bandwidth, loopback socket bandwidth, the BLAS threadpoolctl sees), then
   (weights + the batch's KV) bytes per step / the copy bandwidth;
 - peak resident memory of the longest prefill and of the largest batch x context (sampled while it runs);
 - attention on one thread vs spread over the cores (paired runs), for the largest decode batch and a prefill;
+- is numpy the limit: one layer's decode attention, numpy vs a compiled paged kernel (attention_kernels.py, numba);
 - the KV transfer (kv_transfer.py), and the GEMM rate again (drift = the machine's load changed).
 --quick: prefill 1k and 4k, context 800 only. Thread count: whatever numpy/OpenBLAS uses in this process
 (set OPENBLAS_NUM_THREADS to pin it); every figure and its bound use the same one.
@@ -27,7 +28,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from benchmarks import _common
+from benchmarks import _common, attention_kernels
 from benchmarks._common import Bench, Section, best_time, socket_bandwidth
 from benchmarks.kv_transfer import kv_transfer
 from stack.engine.kv_cache import KVCache, KVPool
@@ -143,12 +144,11 @@ def decode(bench: Bench) -> None:
                              f"{rss['before'] / 2**20:.0f} MiB before; KV {batch * context * model.config.kv_bytes_per_token / 2**20:.0f} MiB")
 
 
-def decode_step_seconds(bench: Bench, batch: int, context: int, k: np.ndarray, v: np.ndarray) -> float:
-    """Best wall time of one decode step over `batch` sequences that each hold a copy of `k`, `v` in their own
-    pool blocks (the pool is sized for them: the tables are long consecutive runs, as after a quiet admission)."""
-    model = bench.model
+def decode_caches(bench: Bench, batch: int, context: int, k: np.ndarray, v: np.ndarray) -> list[KVCache]:
+    """`batch` sequences that each hold a copy of `k`, `v` in their own pool blocks (the pool is sized for them: the
+    tables are long consecutive runs, as after a quiet admission), with room for the timed steps."""
     room = context + DECODE_STEPS * (bench.repeat + 1)
-    pool = pool_for(model, batch * (room + 16))
+    pool = pool_for(bench.model, batch * (room + 16))
     caches = []
     for _ in range(batch):  # copy the prefilled context instead of prefilling `batch` times
         cache = pool.allocate(room)
@@ -156,6 +156,12 @@ def decode_step_seconds(bench: Bench, batch: int, context: int, k: np.ndarray, v
         cache.k[:, :context], cache.v[:, :context] = k, v
         cache.set_length(context)
         caches.append(cache)
+    return caches
+
+
+def decode_step_seconds(bench: Bench, batch: int, context: int, k: np.ndarray, v: np.ndarray) -> float:
+    """Best wall time of one decode step over `decode_caches`."""
+    model, caches = bench.model, decode_caches(bench, batch, context, k, v)
     tokens = np.zeros(1, np.int64)  # (1,)
 
     def step() -> None:
@@ -203,6 +209,16 @@ def attention_split(bench: Bench) -> None:
         model_module.attention_threads = measured  # type: ignore[assignment]
 
 
+def numba_decode(bench: Bench) -> None:
+    """One layer's attention of the largest decode batch, numpy path vs a compiled paged kernel (attention_kernels.py)."""
+    model, batch = bench.model, max(POINTS["batches"])
+    for context in fitting(model, POINTS["contexts"], DECODE_STEPS * (bench.repeat + 1)):
+        source = KVCache(model.config, context)
+        prefill_into(model, source, np.random.default_rng(2).integers(0, model.config.vocab_size, context))
+        caches = decode_caches(bench, batch, context, source.k[:, :context], source.v[:, :context])
+        attention_kernels.compare(bench, caches, f"batch {batch} x {context}")
+
+
 def fitting(model: Model, points: list[int], slack: int = 0) -> list[int]:
     """The points the model's context holds (dummy:tiny stops at 512)."""
     return [p for p in points if p + slack <= model.config.max_seq_len]
@@ -242,8 +258,8 @@ def stability(bench: Bench) -> None:
 
 
 # Append a section (a function taking the `Bench`) to add figures; baselines run first.
-SECTIONS: list[Section] = [gemm_peak, copy_bandwidth, blas, socket_bandwidth, prefill, decode, attention_split, kv_transfer,
-                           stability]
+SECTIONS: list[Section] = [gemm_peak, copy_bandwidth, blas, socket_bandwidth, prefill, decode, attention_split, numba_decode,
+                           kv_transfer, stability]
 
 
 def points(argv: list[str]) -> list[str]:
