@@ -106,7 +106,7 @@ class KVPool:
     def hold(self, blocks: Sequence[int] | np.ndarray) -> None:
         """One more reference to each of `blocks` (a table's or a pin's)."""
         ids = np.asarray(blocks, np.int64)
-        first = ids[self.refs[ids] == 0]
+        first = np.unique(ids[self.refs[ids] == 0])
         self.free_blocks -= int(np.count_nonzero(~self.cached[first]))
         self.evictable_blocks -= int(np.count_nonzero(self.cached[first]))
         np.add.at(self.refs, ids, 1)
