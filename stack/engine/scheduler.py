@@ -279,7 +279,11 @@ class Scheduler:
         hooks = [(w.seq.on_layer, w.segment.cache) for w in work if w.samples and w.seq.on_layer is not None and w.seq.prefilling]
         on_layer = (lambda layer: [hook(layer, cache) for hook, cache in hooks]) if hooks else None
         logits = forward(self.model, [w.segment for w in work], on_layer=on_layer)  # (len(work), vocab)
-        return [next_token(w.seq, row, self.model.tokenizer.stop_ids) if w.samples else None for w, row in zip(work, logits)]
+        return [self._sample(w.seq, row) if w.samples else None for w, row in zip(work, logits)]
+
+    def _sample(self, seq: Sequence, row: np.ndarray) -> tuple[int, TokenLogprob | None]:
+        """(vocab,) raw logits -> the next token of `seq` (and its logprobs if asked for)."""
+        return next_token(seq, row, self.model.tokenizer.stop_ids)
 
     def _commit(self, work: list[_Work], tokens: list[tuple[int, TokenLogprob | None] | None]) -> None:
         for item, token in zip(work, tokens):
