@@ -148,7 +148,16 @@ class KVCache:
         assert table is not None, "a pooled cache needs its block table"
         self.config, self.pool, self.table = config, pool, table  # table: (blocks,) int64 block ids
         self.length = 0
-        self.k, self.v = PagedView(self, pool.k), PagedView(self, pool.v)
+
+    @property
+    def k(self) -> PagedView:
+        """K as an (n_layers, capacity, n_kv_heads, head_dim) view of the blocks (made per use: no reference cycle
+        keeps a freed pool's memory alive until the garbage collector runs)."""
+        return PagedView(self, self.pool.k)
+
+    @property
+    def v(self) -> PagedView:
+        return PagedView(self, self.pool.v)
 
     @property
     def capacity(self) -> int:
