@@ -123,9 +123,10 @@ async def _read_body(request: web.Request) -> None:
 
 
 async def _request_done(request: web.Request, api: str, caller: Caller, slot: str, status: int, e2e: float) -> None:
-    """Free the key's slot, charge its tokens, and log the request's one summary line."""
+    """Free the key's slot, charge its tokens, and log the request's one summary line once they are in the usage file."""
     prompt, completion = request.get(TOKENS, (0, 0))
     await request.app[LIMITER].release(caller, slot, prompt, completion)
+    await request.app[USAGE].durable()  # the line below promises the request is in the usage file (usage.py)
     failed = status >= 400 or STREAM_ERROR in request
     log_event(events.ROUTER_REQUEST_DONE, f"{api} request done: {status}", "WARNING" if failed else "INFO",
               api=api, key_name=caller.name, status=status, error=request.get(STREAM_ERROR),

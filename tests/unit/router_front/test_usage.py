@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import sqlite3
 import time
+from pathlib import Path
 
 import pytest
 
+from stack.common.logging import setup_logging
 from stack.router.usage import UsageStore
 from tests.unit.router_front.conftest import auth, chat_body
 
@@ -74,7 +77,7 @@ async def test_finished_requests_reach_the_file_within_the_flush_interval(make_r
 def test_a_failed_write_keeps_the_requests_for_the_next_one(tmp_path) -> None:
     """If the file cannot be written (here: its table vanished), nothing is lost: the next flush writes it all."""
     store = UsageStore(tmp_path / "usage.sqlite3")
-    store.add("alice", 10, 5)  # written through at once
+    store.add("alice", 10, 5)  # no event loop: written at once
     assert store.pending == 0
     other = sqlite3.connect(tmp_path / "usage.sqlite3")
     other.execute("ALTER TABLE key_usage RENAME TO moved")
@@ -89,3 +92,46 @@ def test_a_failed_write_keeps_the_requests_for_the_next_one(tmp_path) -> None:
     store.close()
     assert other.execute("SELECT requests, prompt_tokens, completion_tokens FROM key_usage").fetchall() == [(2, 11, 6)]
     other.close()
+
+
+async def test_requests_finished_in_one_loop_turn_share_one_commit(tmp_path) -> None:
+    """On an event loop, adds are queued and written together in the next turn; durable() waits for that write."""
+    store = UsageStore(tmp_path / "usage.sqlite3")
+    reader = sqlite3.connect(tmp_path / "usage.sqlite3")
+    for tokens in (1, 2, 3):
+        store.add("alice", tokens, 0)
+    assert reader.execute("SELECT * FROM key_usage").fetchall() == []  # nothing written inside the turn
+    assert store.get("alice").prompt_tokens == 6  # but the quota already sees them
+    await store.durable()
+    assert reader.execute("SELECT requests, prompt_tokens FROM key_usage").fetchall() == [(3, 6)]
+    await store.durable()  # nothing queued: returns at once
+    reader.close()
+    store.close()
+
+
+class _FileCheckingSink(io.StringIO):
+    """A log sink that, whenever a router.request_done line is written, reads how many requests the usage file holds."""
+
+    def __init__(self, db: Path) -> None:
+        super().__init__()
+        self.db = db
+        self.done_vs_file: list[tuple[int, int]] = []  # (request_done lines so far, requests in the file then)
+
+    def write(self, text: str) -> int:
+        if '"router.request_done"' in text:
+            with sqlite3.connect(self.db) as reader:
+                row = reader.execute("SELECT requests FROM key_usage WHERE key_name = 'default'").fetchone()
+            self.done_vs_file.append((len(self.done_vs_file) + 1, row[0] if row else 0))
+        return super().write(text)
+
+
+async def test_request_done_is_logged_only_once_the_request_is_in_the_file(make_router, tmp_path) -> None:
+    """The kill -9 promise: every router.request_done line is written after its request's usage commit."""
+    sink = _FileCheckingSink(tmp_path / "usage.sqlite3")
+    setup_logging("router", sink=sink)
+    router = await make_router()
+    answers = await asyncio.gather(*(router.post("/v1/chat/completions", json=chat_body(stream=i % 2 == 0), headers=auth())
+                                     for i in range(8)))
+    assert [a.status for a in answers] == [200] * 8
+    assert len(sink.done_vs_file) == 8
+    assert all(in_file >= logged for logged, in_file in sink.done_vs_file), sink.done_vs_file
