@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import os
 import re
@@ -40,7 +39,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from loguru import logger
 
-from stack.common import events
+from stack.common import events, fastjson
 
 # The request's id, set by stack.common.errors.request_id_middleware and read by every hop's logs.
 REQUEST_ID = web.RequestKey("request_id", str)
@@ -95,9 +94,6 @@ def redact(text: str) -> str:
     return _TOKEN_PATTERN.sub(lambda m: (m.group(1) or "") + "[REDACTED]", text)
 
 
-_ENCODER = json.JSONEncoder(default=str, ensure_ascii=False)  # one encoder, not one per line
-
-
 def _write(level: str, event: str, request_id: str, msg: str, fields: dict[str, Any]) -> None:
     """The one writer: a flat JSON line, redacted, flushed (`docker logs` and the doctor read it live).
 
@@ -108,7 +104,7 @@ def _write(level: str, event: str, request_id: str, msg: str, fields: dict[str, 
     client_id = _client_request_id.get()
     if client_id is not None:
         line["client_request_id"] = client_id
-    _Output.stream.write(redact(_ENCODER.encode(line)) + "\n")
+    _Output.stream.write(redact(fastjson.dumps_str(line)) + "\n")
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:  # no loop in this thread (start-up, worker threads, tools): now
@@ -244,14 +240,19 @@ def _problem(event: str, declared: events.Event | None, fields: dict[str, Any], 
             f"(required=… is on every call, optional=… on some)")
 
 
+# Set on a request whose service logged its own summary line (the router's router.request_done: status and
+# duration included): the access line would repeat it, so it is left out and the hop keeps one line.
+SUMMARY_LOGGED = web.RequestKey("summary_logged", bool)
+
+
 class AccessLogger(AbstractAccessLogger):
-    """aiohttp access lines as `http.access` events that keep the request id.
+    """aiohttp access lines as `http.access` events that keep the request id (none for a request with SUMMARY_LOGGED).
 
     aiohttp writes the access log after middleware context has ended, so the id is read from the
     request (set there by the request-id middleware) rather than from the logging context.
     """
 
     def log(self, request, response, time: float) -> None:  # type: ignore[override]
-        if _Output.min_level <= _LEVELS["INFO"]:
+        if _Output.min_level <= _LEVELS["INFO"] and not request.get(SUMMARY_LOGGED):
             _write("INFO", events.HTTP_ACCESS, request.get(REQUEST_ID, "-"), f"{request.method} {request.path} {response.status}",
                    {"method": request.method, "path": request.path, "status": response.status, "duration_ms": round(time * 1000, 2)})

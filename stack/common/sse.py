@@ -12,11 +12,12 @@ what arrived together in one write.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import StreamReader, web
+
+from stack.common import fastjson
 
 DONE = "[DONE]"
 
@@ -38,9 +39,8 @@ async def open_stream(request: web.Request, headers: dict[str, str] | None = Non
 
 def frame(data: dict[str, Any] | str, event: str | None = None) -> bytes:
     """One SSE frame: optional `event:` line, one `data:` line, blank line."""
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {payload}\n\n".encode()
+    payload = data.encode() if isinstance(data, str) else fastjson.dumps(data)
+    return b"".join((b"event: ", event.encode(), b"\ndata: ", payload, b"\n\n")) if event else b"data: " + payload + b"\n\n"
 
 
 async def send_event(stream: web.StreamResponse, data: dict[str, Any] | str, event: str | None = None) -> None:

@@ -27,7 +27,7 @@ from stack.common.errors import (
     APIError, PayloadTooLarge, RequestTimeout, UnsupportedMediaType, echo_client_request_id,
     error_middleware, openai_error_body, unique_request_id_middleware,
 )
-from stack.common.logging import log_event
+from stack.common.logging import SUMMARY_LOGGED, log_event
 from stack.router.api import anthropic, openai, responses, tokens
 from stack.router.appkeys import CALLER, CONFIG, INTERNAL_KEY, KEYRING, LIMITER, METRICS, PD, REGISTRY, STREAM_ERROR, TOKENS, USAGE
 from stack.router.auth import Caller, KeyRing
@@ -131,6 +131,7 @@ async def _request_done(request: web.Request, api: str, caller: Caller, slot: st
     log_event(events.ROUTER_REQUEST_DONE, f"{api} request done: {status}", "WARNING" if failed else "INFO",
               api=api, key_name=caller.name, status=status, error=request.get(STREAM_ERROR),
               prompt_tokens=prompt, completion_tokens=completion, e2e_ms=round(e2e * 1000, 2))
+    request[SUMMARY_LOGGED] = True  # this line says what the access line would
 
 
 async def health(request: web.Request) -> web.Response:

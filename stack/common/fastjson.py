@@ -1,0 +1,35 @@
+"""The JSON encoder of the hot paths (log lines, SSE frames, error bodies): orjson, with the stdlib for what it refuses.
+
+orjson encodes a log line or a stream chunk several times faster than `json.dumps` and writes UTF-8
+bytes, which is what a socket or a log stream takes anyway. Its output is compact JSON like
+`json.dumps(..., separators=(",", ":"), ensure_ascii=False)`; it differs on NaN/Infinity (null, which
+strict JSON readers prefer). It refuses integers past 64 bits and strings with lone surrogates (a
+client can send either); those values go through the stdlib encoder with ASCII escapes, which writes a
+lone surrogate as its `\\uXXXX` escape: valid JSON that any UTF-8 writer accepts.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+
+_STDLIB = json.JSONEncoder(default=str, separators=(",", ":"))
+_OPTIONS = orjson.OPT_NON_STR_KEYS
+
+
+def dumps(value: Any) -> bytes:
+    """Compact UTF-8 JSON; anything it cannot type is written as `str(value)`."""
+    try:
+        return orjson.dumps(value, default=str, option=_OPTIONS)
+    except TypeError:  # orjson.JSONEncodeError: a >64-bit int or a lone surrogate
+        return _STDLIB.encode(value).encode()
+
+
+def dumps_str(value: Any) -> str:
+    """`dumps` as text, for writers that take str (a log stream)."""
+    try:
+        return orjson.dumps(value, default=str, option=_OPTIONS).decode()
+    except TypeError:
+        return _STDLIB.encode(value)
