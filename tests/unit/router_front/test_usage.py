@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import sqlite3
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from stack.common.logging import setup_logging
 from stack.router.usage import UsageStore
-from tests.unit.router_front.conftest import auth, chat_body
+from tests.unit.router_front.conftest import KEY, KEY_ENV, ServiceProcess, auth, chat_body, free_port, write_settings
 
 
 async def test_usage_counts_requests_and_tokens_per_key(router) -> None:
@@ -135,3 +137,42 @@ async def test_request_done_is_logged_only_once_the_request_is_in_the_file(make_
     assert [a.status for a in answers] == [200] * 8
     assert len(sink.done_vs_file) == 8
     assert all(in_file >= logged for logged, in_file in sink.done_vs_file), sink.done_vs_file
+
+
+async def test_kill_9_under_load_loses_no_request_whose_done_line_was_logged(real_engine, tmp_path) -> None:
+    """A router process killed -9 while 8 clients keep it busy: the usage file holds every request whose
+    router.request_done reached the log, and at most the 8 in flight more (committed, line not yet written)."""
+    settings = write_settings(tmp_path, real_engine.url, health=real_engine.health_addr)
+    port, health_port = free_port(), free_port()
+    router = ServiceProcess("router", ["stack.router", "--config", str(settings), "--host", "127.0.0.1", "--port", str(port),
+                                       "--health-port", str(health_port)], tmp_path / "router.log", f"127.0.0.1:{health_port}",
+                            env={**os.environ, KEY_ENV: KEY})
+    log = tmp_path / "router.log"
+
+    def done_lines() -> int:
+        return log.read_text().count('"router.request_done"')
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        while True:
+            try:
+                async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat_body(), headers=auth()) as answer:
+                    await answer.read()
+            except aiohttp.ClientError:
+                return  # the router is gone
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            clients = [asyncio.create_task(client(session)) for _ in range(8)]
+            deadline = time.monotonic() + 60  # a slow shared host; only a router that answers nothing misses it
+            while done_lines() < 40:
+                assert time.monotonic() < deadline, f"only {done_lines()} requests done in 60 s"
+                await asyncio.sleep(0.05)
+            router.process.kill()
+            router.process.wait()
+            await asyncio.gather(*clients)
+    finally:
+        router.stop()
+    logged = done_lines()
+    with sqlite3.connect(tmp_path / "usage.sqlite3") as reader:
+        [(in_file,)] = reader.execute("SELECT requests FROM key_usage WHERE key_name = 'default'").fetchall()
+    assert logged <= in_file <= logged + 8, f"{logged} request_done lines, {in_file} requests in the usage file"
