@@ -56,14 +56,16 @@ def _load_harness(peers: Path) -> ModuleType:
 def _with_arms(bench: ModuleType, redis_url: str | None) -> type:
     """The harness's Target, knowing our arms too."""
 
-    class Target(bench.Target):
+    harness = bench.Target
+
+    class Target(harness):
         def modes(self) -> list[str]:
             return ["plain", "pd"] if self.name.startswith("pd-deploy-") else super().modes()
 
         def command(self, mode: str, port: int, rundir: Path) -> tuple[list[str], dict, str, str | None]:
             if not self.name.startswith("pd-deploy"):
                 return super().command(mode, port, rundir)
-            shipped = bench.Target("pd-deploy", self.work, self.pd_python, self.prefill, self.decode)
+            shipped = harness("pd-deploy", self.work, self.pd_python, self.prefill, self.decode)
             argv, env, ready, skip = shipped.command(mode, port, rundir)
             env["PYTHONPATH"] = str(_REPO)  # this checkout's router, whichever checkout --pd-python was installed from
             if self.name == "pd-deploy":
