@@ -12,7 +12,7 @@ here, by how the process is started, never by a switch in the product:
 
   pd-deploy          the router as shipped (uvloop, orjson)
   pd-deploy-asyncio  the same with the stock asyncio event loop (uvloop's loop factory swapped before start)
-  pd-deploy-stdjson  the same with the stdlib JSON encoder for log lines and SSE frames (stack.common.fastjson)
+  pd-deploy-stdjson  the same with the stdlib JSON encoder for SSE frames (stack.common.fastjson)
   pd-deploy-redis    per-key limits in a Redis (a redis-server this script starts on the client core, with the
                      deployments' append-only persistence): the limiter's cost is this row minus pd-deploy's
 
@@ -43,7 +43,7 @@ _ARMS = {
     "asyncio": "import asyncio, uvloop\nuvloop.new_event_loop = asyncio.new_event_loop\n" + _MAIN,
     "stdjson": ("import json\nfrom stack.common import fastjson\n"
                 "encoder = json.JSONEncoder(default=str, ensure_ascii=False, separators=(',', ':'))\n"
-                "fastjson.dumps, fastjson.dumps_str = (lambda value: encoder.encode(value).encode()), encoder.encode\n" + _MAIN),
+                "fastjson.dumps = lambda value: encoder.encode(value).encode()\n" + _MAIN),
     "redis": _MAIN,
 }
 

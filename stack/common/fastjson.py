@@ -1,7 +1,8 @@
-"""The JSON encoder of the hot paths (log lines, SSE frames, error bodies): orjson, with the stdlib for what it refuses.
+"""The JSON encoder of the streaming hot path (SSE frames): orjson, with the stdlib for what it refuses.
 
-orjson encodes a log line or a stream chunk several times faster than `json.dumps` and writes UTF-8
-bytes, which is what a socket or a log stream takes anyway. Its output is compact JSON like
+orjson encodes a stream chunk several times faster than `json.dumps` and writes UTF-8 bytes, which is
+what a socket takes anyway. (Log lines keep the stdlib encoder: orjson cannot write their `"key": value`
+spacing, which log readers grep for.) Its output is compact JSON like
 `json.dumps(..., separators=(",", ":"), ensure_ascii=False)`; it differs on NaN/Infinity (null, which
 strict JSON readers prefer). It refuses integers past 64 bits and strings with lone surrogates (a
 client can send either); those values go through the stdlib encoder with ASCII escapes, which writes a
@@ -25,11 +26,3 @@ def dumps(value: Any) -> bytes:
         return orjson.dumps(value, default=str, option=_OPTIONS)
     except TypeError:  # orjson.JSONEncodeError: a >64-bit int or a lone surrogate
         return _STDLIB.encode(value).encode()
-
-
-def dumps_str(value: Any) -> str:
-    """`dumps` as text, for writers that take str (a log stream)."""
-    try:
-        return orjson.dumps(value, default=str, option=_OPTIONS).decode()
-    except TypeError:
-        return _STDLIB.encode(value)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import os
 import re
@@ -39,7 +40,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from loguru import logger
 
-from stack.common import events, fastjson
+from stack.common import events
 
 # The request's id, set by stack.common.errors.request_id_middleware and read by every hop's logs.
 REQUEST_ID = web.RequestKey("request_id", str)
@@ -94,6 +95,10 @@ def redact(text: str) -> str:
     return _TOKEN_PATTERN.sub(lambda m: (m.group(1) or "") + "[REDACTED]", text)
 
 
+# The stdlib encoder, not orjson: the lines keep json.dumps' `"key": value` spacing, which readers grep for.
+_ENCODER = json.JSONEncoder(default=str, ensure_ascii=False)  # one encoder, not one per line
+
+
 def _write(level: str, event: str, request_id: str, msg: str, fields: dict[str, Any]) -> None:
     """The one writer: a flat JSON line, redacted, flushed (`docker logs` and the doctor read it live).
 
@@ -104,7 +109,7 @@ def _write(level: str, event: str, request_id: str, msg: str, fields: dict[str, 
     client_id = _client_request_id.get()
     if client_id is not None:
         line["client_request_id"] = client_id
-    _Output.stream.write(redact(fastjson.dumps_str(line)) + "\n")
+    _Output.stream.write(redact(_ENCODER.encode(line)) + "\n")
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:  # no loop in this thread (start-up, worker threads, tools): now
