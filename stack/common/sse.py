@@ -72,11 +72,12 @@ async def read_event_batches(content: StreamReader) -> AsyncIterator[list[tuple[
     data_lines: list[str] = []
     pending = b""  # an incomplete last line (possibly a split UTF-8 sequence) waits for more bytes
     async for block in content.iter_any():
-        lines = (pending + block).split(b"\n") if pending else block.split(b"\n")
-        pending = lines.pop()
+        data = pending + block if pending else block
+        complete = data.rfind(b"\n") + 1  # b"\n" never occurs inside a UTF-8 sequence: the complete lines decode at once
+        pending = data[complete:]
         batch: list[tuple[str | None, str]] = []
-        for raw in lines:
-            line = raw.decode("utf-8").rstrip("\r")
+        for line in data[:complete].decode("utf-8").split("\n")[:-1]:
+            line = line.rstrip("\r")
             if not line:
                 if data_lines:
                     batch.append((event, "\n".join(data_lines)))
