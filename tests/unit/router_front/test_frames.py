@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 
 from stack.common import sse
 
@@ -30,7 +31,7 @@ class _Reads:
     def __init__(self, pieces: list[bytes]) -> None:
         self.pieces = pieces
 
-    async def iter_any(self):  # noqa: ANN201 - an async generator, as aiohttp's
+    async def iter_any(self) -> AsyncIterator[bytes]:
         for piece in self.pieces:
             yield piece
 
