@@ -12,7 +12,9 @@ export DEBIAN_FRONTEND=noninteractive
 policy=/usr/sbin/policy-rc.d
 had_policy=0; [[ -e "$policy" ]] && had_policy=1
 [[ "$had_policy" == 1 ]] || { printf '#!/bin/sh\nexit 101\n' >"$policy"; chmod +x "$policy"; }
-quietly apt apt-get install -y -qq --no-install-recommends redis-server \
+# A stale package index fails the first try quietly (into the log); after apt-get update a failure is shown.
+mkdir -p "$LOG_DIR"
+apt-get install -y -qq --no-install-recommends redis-server >>"$LOG_DIR/apt.log" 2>&1 \
     || { quietly apt apt-get update -qq && quietly apt apt-get install -y -qq --no-install-recommends redis-server; }
 [[ "$had_policy" == 1 ]] || rm -f "$policy"
 command -v redis-server >/dev/null || die "redis-server still missing after apt-get install redis-server"
