@@ -17,8 +17,8 @@ Leak protection: a request in flight holds a slot in `{name}:slots` scored by it
 The router renews its slots every lease/3; a router that dies stops renewing, and every `take` first
 drops expired leases, so a crashed router's slots come back within `lease_ms`.
 
-Usage is durable in two places: each router still writes every finished request to its own SQLite
-file before freeing the slot (usage.py; the per-router ledger, which survives losing Redis), and the
+Usage is durable in two places: each router still commits every finished request to its own SQLite
+file before it logs `router.request_done` (usage.py; the per-router ledger, which survives losing Redis), and the
 shared totals the quota is checked against are a Redis hash, which survives a Redis restart with
 append-only persistence (`appendonly yes`, `appendfsync everysec`: the compose profile and the
 Kubernetes manifests run Redis so). A charge that fails to reach Redis is kept and retried with the
