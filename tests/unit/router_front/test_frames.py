@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 
 from stack.common import sse
 
@@ -24,25 +23,3 @@ def test_values_orjson_refuses_still_make_a_valid_frame() -> None:
     assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
     assert json.loads(raw[6:].decode()) == {"text": "\ud800", "seed": 2**70}
 
-
-class _Reads:
-    """A response body that arrives in the given pieces (read_event_batches only calls iter_any)."""
-
-    def __init__(self, pieces: list[bytes]) -> None:
-        self.pieces = pieces
-
-    async def iter_any(self) -> AsyncIterator[bytes]:
-        for piece in self.pieces:
-            yield piece
-
-
-async def test_frames_parse_the_same_however_the_bytes_are_split() -> None:
-    """Split anywhere (inside a multi-byte character, between \\r and \\n), the relay reads the same frames."""
-    body = ("event: delta\r\ndata: {\"t\": \"héllo 世界 🙂\"}\r\n\r\n: heartbeat\n\ndata: line one\ndata: line two\n\n"
-            "data: [DONE]").encode()
-    expected = [("delta", '{"t": "héllo 世界 🙂"}'), (None, "line one\nline two"), (None, "[DONE]")]
-    for cut in range(1, len(body)):
-        for second in (cut, min(cut + 3, len(body))):
-            pieces = [body[:cut], body[cut:second], body[second:]]
-            frames = [item async for batch in sse.read_event_batches(_Reads(pieces)) for item in batch]
-            assert frames == expected, (cut, second)
