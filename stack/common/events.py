@@ -399,6 +399,12 @@ ROUTER_VERSION_SPLIT = Event("router.model_version_split", ROUTER,
                              "no usable prefill runs this decode's model (a rolling update): decode serves the request alone",
                              required=(DECODE_URL, FINGERPRINT), level="WARNING")
 
+# -- start-up failures (issue 20) --------------------------------------------------------------------
+PORT_OWNER = Field("owner", str, "python3 (pid 4242)", "the process listening on the port, when /proc shows it")
+SETTING = Field("setting", str, "[server] port (settings.toml) or --port", "what to change to use another port")
+SERVICE_PORT_IN_USE = Event("service.port_in_use", ANY, "the HTTP or health port is taken by another process: the service exits 2",
+                            required=(PORT, SETTING), optional=(PORT_OWNER,), level="ERROR")
+
 ALL: Mapping[str, Event] = {value: value for value in dict(globals()).values() if isinstance(value, Event)}
 
 

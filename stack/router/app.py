@@ -27,7 +27,7 @@ from stack.common.errors import (
     APIError, PayloadTooLarge, RequestTimeout, UnsupportedMediaType, echo_client_request_id,
     error_middleware, openai_error_body, unique_request_id_middleware,
 )
-from stack.common.logging import log_event
+from stack.common.logging import SUMMARY_LOGGED, log_event
 from stack.router.api import anthropic, openai, responses, tokens
 from stack.router.appkeys import CALLER, CONFIG, INTERNAL_KEY, KEYRING, LIMITER, METRICS, PD, REGISTRY, STREAM_ERROR, TOKENS, USAGE
 from stack.router.auth import Caller, KeyRing
@@ -123,13 +123,15 @@ async def _read_body(request: web.Request) -> None:
 
 
 async def _request_done(request: web.Request, api: str, caller: Caller, slot: str, status: int, e2e: float) -> None:
-    """Free the key's slot, charge its tokens, and log the request's one summary line."""
+    """Free the key's slot, charge its tokens, and log the request's one summary line once they are in the usage file."""
     prompt, completion = request.get(TOKENS, (0, 0))
     await request.app[LIMITER].release(caller, slot, prompt, completion)
+    await request.app[USAGE].durable()  # the line below promises the request is in the usage file (usage.py)
     failed = status >= 400 or STREAM_ERROR in request
     log_event(events.ROUTER_REQUEST_DONE, f"{api} request done: {status}", "WARNING" if failed else "INFO",
               api=api, key_name=caller.name, status=status, error=request.get(STREAM_ERROR),
               prompt_tokens=prompt, completion_tokens=completion, e2e_ms=round(e2e * 1000, 2))
+    request[SUMMARY_LOGGED] = True  # this line says what the access line would
 
 
 async def health(request: web.Request) -> web.Response:

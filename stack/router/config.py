@@ -102,8 +102,8 @@ class AuthConfig:
 @dataclass(frozen=True)
 class UsageConfig:
     db_path: str = "data/router-usage.sqlite3"  # SQLite file (relative paths: to the working directory)
-    # Each finished request is written (one WAL commit) before its slot is freed: a kill -9 loses none whose
-    # `router.request_done` was logged. This interval only paces retries after a failed write (a full disk).
+    # Finished requests are written in one WAL commit per event-loop turn, before `router.request_done` is logged:
+    # a kill -9 loses none whose line was logged. This interval only paces retries after a failed write (a full disk).
     flush_interval_ms: int = 1000
 
     def __post_init__(self) -> None:
