@@ -192,7 +192,7 @@ class Colocated:
         return Route(request_id, "", None)
 
     def decode_params(self, route: Route, answer: dict[str, Any]) -> dict[str, Any] | None:
-        return None  # the interface's; without a prefill leg there is no answer, so pd.py never asks
+        return None  # the interface's; without a prefill leg there is no answer, so pd.py never reads it
 
 
 _KINDS: dict[str, type[Handoff]] = {"pd-push": Push, "nixl": Nixl, "p2pnccl": P2pNccl}
