@@ -6,8 +6,9 @@
                           (P failed: another P, same D; P could not hand its KV to D, or D has no room for it: a new pair)
     _decode:           3. POST D {the client's request, what P's answer hands on}; wait for its first chunk
                           (D failed before its first chunk: a new pair, attempt n+1)
-    stream:            4. relay D's chunks (relay.py); a failure after the first chunk is raised to the caller, who
-                          ends the client's stream in-band.
+    stream:            4. relay D's chunks; a failure after the first chunk is raised to the caller, who ends the
+                          client's stream in-band. A stream that ends without a finish_reason and `[DONE]` is an
+                          error, never a silent truncation.
 
 Every leg the router gives up on (its deadline, the client gone, retried elsewhere) has its HTTP connection closed:
 the engine sees the disconnect, cancels the work and frees its KV. Each leg's timeout and the request's deadline are
@@ -35,7 +36,7 @@ from stack.router.handoff import Handed, handed
 from stack.router.job import NO_HEADERS, Job
 from stack.router.metrics import Metrics
 from stack.router.pairing import Pair, Pairing, Tried
-from stack.router.relay import Leg, Tally, answer_chunks, parse_chunk, relay, report_cached
+from stack.router.relay import Leg, Tally, answer_chunks, parse_chunk, report_cached
 from stack.router.upstream import LegFailed, exception_failure, open_stream, post_json, timeout
 
 
@@ -79,8 +80,8 @@ class PDClient:
 
     async def stream(self, request_id: str, path: str, req: Request, body: dict[str, Any],
                      headers: Mapping[str, str] = NO_HEADERS) -> AsyncIterator[list[dict[str, Any]]]:
-        """4. Relay: yield the decode engine's chunks as dicts, in batches (relay.py). Always ends with a usage chunk.
-        `headers`: the client's (session affinity)."""
+        """4. Relay: yield the decode engine's chunks as dicts, in batches: the chunks of one network read, so the API
+        writes them in one send. Always ends with a usage chunk. `headers`: the client's (session affinity)."""
         job, tried = self._job(request_id, path, req, body, headers, True)
         leg = await self._run_within_deadline(job, tried)
         tally = Tally(self.metrics, job.started)
@@ -88,8 +89,42 @@ class PDClient:
             if leg.answer is not None:  # the prefill finished the answer: its JSON, as the chunks decode would have sent
                 yield answer_chunks(leg.answer)
                 return
-            async for chunks in relay(leg, tally, job.prompt_tokens):
-                yield chunks
+            assert leg.batches is not None and leg.first is not None, "stream leg opened without a first chunk"
+            done = False
+            chunks, frames = [leg.first], leg.rest
+            while True:
+                bad: Exception | None = None  # a bad frame fails the stream after the good ones before it
+                for data in frames:
+                    if data == DONE:
+                        done = True
+                        break
+                    try:
+                        chunks.append(parse_chunk(leg.decode, data))
+                    except (LegFailed, ValueError) as exc:
+                        bad = exc
+                        break
+                if chunks:
+                    tally.count(chunks)
+                    for chunk in chunks:
+                        report_cached(chunk.get("usage"), leg.prefill_cached)
+                    yield chunks  # the chunks of one network read: the API writes them in one send
+                if bad is not None:
+                    raise bad
+                if done:
+                    break
+                batch = await anext(leg.batches, None)
+                if batch is None:
+                    break
+                chunks, frames = [], [data for _event, data in batch]
+            if not (done and tally.finished):  # never a silent truncation
+                raise LegFailed(UpstreamError("the decode engine's stream ended early (no finish_reason or [DONE]); the answer is "
+                                              "incomplete"), retryable=True)
+            if tally.usage is None:
+                # Engines that ignore include_usage: count relayed chunks (prompt from the router's estimate).
+                usage = {"prompt_tokens": job.prompt_tokens, "completion_tokens": tally.tokens,
+                         "total_tokens": job.prompt_tokens + tally.tokens}
+                yield [{"id": leg.first.get("id", ""), "object": leg.first.get("object", "chat.completion.chunk"),
+                        "created": leg.first.get("created", 0), "model": leg.first.get("model", ""), "choices": [], "usage": usage}]
             self.pairing.outcome(leg.decode)
             if not self.fleet.handoff.prefill_leg:
                 self.metrics.observe_prompt_cache(leg.decode, tally.usage)

@@ -1,8 +1,6 @@
-"""Decode's answer as the client gets it: its stream's chunks checked and counted, or a JSON answer as chunks.
-
-A stream that ends without a finish_reason and `[DONE]` is an error, never a silent truncation; an engine's
-in-band error frame is a failure of the leg. Usage always reaches the client: the engine's, with cached_tokens as
-the prefill saw them (handoff.py), or counted here when the engine sent none.
+"""What the relay (pd.py `PDClient.stream`) reads and writes: the answered decode leg, its stream's frames checked
+(an engine's in-band error frame is the leg's failure) and counted, usage with cached_tokens as the prefill saw
+them (handoff.py), and a JSON answer as the chunks a stream would have carried.
 """
 
 from __future__ import annotations
@@ -16,9 +14,7 @@ from typing import Any
 import aiohttp
 
 from stack.common import events
-from stack.common.errors import UpstreamError
 from stack.common.logging import log_event
-from stack.common.sse import DONE
 from stack.router.backends import Backend
 from stack.router.metrics import Metrics
 from stack.router.upstream import EngineError, LegFailed, status_failure
@@ -108,43 +104,3 @@ class Tally:
                 self.finished = self.finished or bool(choices[0].get("finish_reason"))
             if chunk.get("usage"):
                 self.usage = chunk["usage"]
-
-
-async def relay(leg: Leg, tally: Tally, prompt_tokens: int) -> AsyncIterator[list[dict[str, Any]]]:
-    """Decode's chunks in batches (the chunks of one network read, written to the client in one send), ending with a
-    usage chunk; LegFailed or a transport error when the stream breaks, carries an error, or ends early."""
-    assert leg.batches is not None and leg.first is not None, "stream leg opened without a first chunk"
-    done = False
-    chunks, frames = [leg.first], leg.rest
-    while True:
-        bad: Exception | None = None  # a bad frame fails the stream after the good ones before it
-        for data in frames:
-            if data == DONE:
-                done = True
-                break
-            try:
-                chunks.append(parse_chunk(leg.decode, data))
-            except (LegFailed, ValueError) as exc:
-                bad = exc
-                break
-        if chunks:
-            tally.count(chunks)
-            for chunk in chunks:
-                report_cached(chunk.get("usage"), leg.prefill_cached)
-            yield chunks
-        if bad is not None:
-            raise bad
-        if done:
-            break
-        batch = await anext(leg.batches, None)
-        if batch is None:
-            break
-        chunks, frames = [], [data for _event, data in batch]
-    if not (done and tally.finished):
-        raise LegFailed(UpstreamError("the decode engine's stream ended early (no finish_reason or [DONE]); the answer is incomplete"),
-                        retryable=True)
-    if tally.usage is None:
-        # Engines that ignore include_usage: count relayed chunks (prompt from the router's estimate).
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": tally.tokens, "total_tokens": prompt_tokens + tally.tokens}
-        yield [{"id": leg.first.get("id", ""), "object": leg.first.get("object", "chat.completion.chunk"),
-                "created": leg.first.get("created", 0), "model": leg.first.get("model", ""), "choices": [], "usage": usage}]
