@@ -75,11 +75,6 @@ class Fleet:
         await asyncio.gather(*(watcher.close() for watcher in self.watchers))
         await self.monitor.close()
 
-    @property
-    def backend_model(self) -> str:
-        """The engines' model id (what the API handlers name upstream and in /v1/models)."""
-        return self.monitor.model
-
     def worst_case_s(self) -> dict[str, Any]:
         """The request time bounds at the engines' window (deadlines.py)."""
         return worst_case_s(self.settings, self.monitor.max_model_len)

@@ -51,6 +51,7 @@ class Job:
     stream: bool  # stream() or complete() runs it
     prompt_tokens: int  # the load estimate (estimate_prompt_tokens)
     max_tokens: int
+    decode_tokens: int  # what the decode slot counts: prompt_tokens + max_tokens
     budgets: Budgets  # this request's leg timeouts and deadline, sized by its prompt (deadlines.py)
     started: float = field(default_factory=time.perf_counter)
 
@@ -60,12 +61,8 @@ class Job:
         """`budgets_for(prompt_chars) -> Budgets` (PDClient's, which knows the window and the settings)."""
         chars = prompt_chars(req)
         clean = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # a client must not steer the KV plumbing
-        return cls(request_id, path, req, clean, headers, stream, estimate_prompt_tokens(req, chars),
-                   req.sampling.max_tokens or default_max_tokens, budgets_for(chars))
-
-    @property
-    def decode_tokens(self) -> int:
-        return self.prompt_tokens + self.max_tokens
+        prompt_tokens, max_tokens = estimate_prompt_tokens(req, chars), req.sampling.max_tokens or default_max_tokens
+        return cls(request_id, path, req, clean, headers, stream, prompt_tokens, max_tokens, prompt_tokens + max_tokens, budgets_for(chars))
 
     def prefill_body(self, kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
         """One token, not streamed, no stream_options (vLLM's toy proxy). `min_tokens` becomes 1 when the client set

@@ -107,10 +107,9 @@ class Pairing:
     async def _prefill_for(self, job: Job, decode: Backend, tried: Tried) -> Backend | None:
         if not self.handoff.prefill_leg:
             return None
-        own = self.monitor.fingerprints.get(decode.url)
-        other_versions = {p for p in self.scheduler.pool("prefill")
-                          if own and (theirs := self.monitor.fingerprints.get(p.url)) and theirs != own}
-        usable = [p for p in self.scheduler.pool("prefill") if p.usable]
+        own, prefills = self.monitor.fingerprints.get(decode.url), self.scheduler.pool("prefill")
+        other_versions = {p for p in prefills if own and (theirs := self.monitor.fingerprints.get(p.url)) and theirs != own}
+        usable = [p for p in prefills if p.usable]
         if usable and all(p in other_versions for p in usable):
             log_event(events.ROUTER_VERSION_SPLIT, f"no prefill runs the model of decode {decode.url}; it serves the request alone",
                       "WARNING", request_id=job.request_id, decode=decode.url, fingerprint=own)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -30,7 +31,7 @@ from stack.common.errors import UpstreamError, UpstreamTimeout
 from stack.common.logging import log_event
 from stack.common.sse import DONE, read_event_batches
 from stack.protocol.types import Request
-from stack.router.deadlines import Budgets, budgets
+from stack.router.deadlines import budgets
 from stack.router.fleet import Fleet
 from stack.router.handoff import Handed, handed
 from stack.router.job import NO_HEADERS, Job
@@ -54,15 +55,14 @@ class PDClient:
 
     @property
     def backend_model(self) -> str:
-        return self.fleet.backend_model
+        """The engines' model id (what the API handlers name upstream and in /v1/models)."""
+        return self.monitor.model
 
     def _job(self, request_id: str, path: str, req: Request, body: dict[str, Any], headers: Mapping[str, str],
              stream: bool) -> tuple[Job, Tried]:
-        job = Job.make(request_id, path, req, body, headers, stream, self.settings.default_max_tokens, self._budgets)
+        job = Job.make(request_id, path, req, body, headers, stream, self.settings.default_max_tokens,
+                       partial(budgets, self.settings, window=self.monitor.max_model_len))
         return job, self.pairing.tried(headers, job)
-
-    def _budgets(self, prompt_chars: int) -> Budgets:
-        return budgets(self.settings, prompt_chars, self.fleet.monitor.max_model_len)
 
     async def complete(self, request_id: str, path: str, req: Request, body: dict[str, Any],
                        headers: Mapping[str, str] = NO_HEADERS) -> dict[str, Any]:
@@ -105,8 +105,8 @@ class PDClient:
                         break
                 if chunks:
                     tally.count(chunks)
-                    for chunk in chunks:
-                        report_cached(chunk.get("usage"), leg.prefill_cached)
+                    if tally.usage is not None:  # the usage chunk came in this batch
+                        report_cached(tally.usage, leg.prefill_cached)
                     yield chunks  # the chunks of one network read: the API writes them in one send
                 if bad is not None:
                     raise bad
