@@ -14,11 +14,14 @@ import pytest
 
 from stack.common import events
 from stack.common.errors import Overloaded, UpstreamError, UpstreamTimeout
+from stack.router import config as router_config
+from stack.router.app import create_app
 from stack.router.deadlines import budgets, work_s, worst_case_s
 from stack.router.scheduler import SchedulerConfig
-from tests.unit.router_pd.conftest import backend, typed, until
+from tests.unit.router_pd.conftest import INTERNAL_KEY, backend, router_settings, typed, until
 from tests.unit.router_pd.fake_engine import Faults
 
+KEY = "pd-test-key-0123456789abcdefghij"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 # Leg budgets small enough to watch: 300 ms for a short prompt, plus 1 s per 1000 characters (no quadratic term).
 TIGHT = {"prefill_timeout_ms": 300, "deadline_ms": 300, "prefill_tokens_per_s": 1000, "prefill_attention_tokens": 0}
@@ -141,3 +144,23 @@ async def test_a_decode_leg_given_up_for_another_is_closed(fake, pd):
     chunks = [c async for batch in client.stream("slow", "/v1/chat/completions", *typed(dict(CHAT, stream=True))) for c in batch]
     assert chunks[-1]["usage"]["completion_tokens"] == 4
     await until(lambda: stalled.disconnects == 1, "the stalled decode saw the router hang up")
+
+
+async def test_the_client_gets_the_503_in_its_apis_shape_through_the_router(fake, aiohttp_client, tmp_path):
+    """Through the whole router (create_app): with no decode able to hold the KV, an OpenAI client (streamed or not)
+    and an Anthropic client get HTTP 503 decode_kv_capacity with Retry-After, each in its API's error shape."""
+    prefill, decode = await fake("prefill", faults=Faults(decode_kv_capacity=100)), await fake("decode")
+    settings = router_settings(tmp_path, "cap", prefill, decode, "public-model")
+    app = create_app(router_config.load(settings, env={}), env={"PD_TEST_KEY": KEY, "PD_INTERNAL_KEY": INTERNAL_KEY})
+    http = await aiohttp_client(app)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for stream in (False, True):
+        response = await http.post("/v1/chat/completions", headers=auth, json={**CHAT, "model": "public-model", "stream": stream})
+        error = (await response.json())["error"]
+        assert response.status == 503 and response.headers["Retry-After"] == "1"
+        assert error["code"] == "decode_kv_capacity" and "cannot hold this prompt's KV" in error["message"]
+    response = await http.post("/v1/messages", headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+                               json={"model": "public-model", "max_tokens": 4, "messages": [{"role": "user", "content": "hello"}]})
+    body = await response.json()
+    assert response.status == 503 and response.headers["Retry-After"] == "1"
+    assert body["type"] == "error" and "cannot hold this prompt's KV" in body["error"]["message"]
