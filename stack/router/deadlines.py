@@ -36,6 +36,7 @@ class Budgets:
     """One request's bounds, in seconds."""
 
     tokens: int  # the prompt size they were sized for (characters, capped at the window)
+    work_s: float  # work_s(tokens): what the prompt adds to a short prompt's budgets
     prefill_s: float  # the whole prefill leg (its KV push included)
     first_chunk_s: float  # a streamed decode leg's headers and first chunk (decode computes the prompt: + work)
     first_chunk_alone_s: float
@@ -55,7 +56,7 @@ def budgets(config: SchedulerConfig, prompt_chars: int, window: int | None) -> B
     tokens = min(prompt_chars, window) if window else prompt_chars
     work = work_s(config, tokens)
     first_chunk = (config.kv_transfer_timeout_ms + config.first_token_timeout_ms) / 1000
-    return Budgets(tokens, config.prefill_timeout_ms / 1000 + work, first_chunk, first_chunk + work,
+    return Budgets(tokens, work, config.prefill_timeout_ms / 1000 + work, first_chunk, first_chunk + work,
                    config.decode_timeout_ms / 1000, config.decode_timeout_ms / 1000 + work, config.deadline_ms / 1000 + work)
 
 

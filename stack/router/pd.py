@@ -241,8 +241,12 @@ class PDClient:
             return Leg(decode, answer=answer)
         response: aiohttp.ClientResponse | None = None
         try:
-            async with asyncio.timeout(job.budgets.first_chunk(computes_prompt)):
-                response = await open_stream(self.fleet.session, decode, job.path, body, leg_id, self._stream_timeout)
+            async with asyncio.timeout(first_chunk_s := job.budgets.first_chunk(computes_prompt)):
+                # A decode computing the prompt is silent until its first chunk: the silence it may keep grows to match.
+                stream_timeout = self._stream_timeout if not computes_prompt else timeout(
+                    self.settings.connect_timeout_ms, self.settings.request_timeout_ms + round(job.budgets.work_s * 1000),
+                    max(self.settings.idle_timeout_ms, round(first_chunk_s * 1000)))
+                response = await open_stream(self.fleet.session, decode, job.path, body, leg_id, stream_timeout)
                 batches = aiter(read_event_batches(response.content))
                 frames = [data for _event, data in await anext(batches, [(None, DONE)])]
                 if frames[0] == DONE:

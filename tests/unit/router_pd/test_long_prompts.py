@@ -164,3 +164,16 @@ async def test_the_client_gets_the_503_in_its_apis_shape_through_the_router(fake
     body = await response.json()
     assert response.status == 503 and response.headers["Retry-After"] == "1"
     assert body["type"] == "error" and "cannot hold this prompt's KV" in body["error"]["message"]
+
+
+async def test_a_decode_computing_a_long_prompt_itself_may_stay_silent_that_long(fake, pd):
+    """Colocated, the decode computes the prompt before its first chunk: a 1000-character prompt may keep it silent
+    past idle_timeout_ms (0.3 s) for its work (1 s); a short prompt's leg is cut at the usual first-chunk bound."""
+    both = await fake("both", faults=Faults(delay_s=0.8))
+    client = await pd([both], [both], max_retries=0, idle_timeout_ms=300, first_token_timeout_ms=300, kv_transfer_timeout_ms=100,
+                      **TIGHT)
+    chunks = [c async for batch in client.stream("long", "/v1/chat/completions", *typed(chat(1000) | {"stream": True})) for c in batch]
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    with pytest.raises(UpstreamTimeout):
+        async for _ in client.stream("short", "/v1/chat/completions", *typed(dict(CHAT, stream=True))):
+            pass
