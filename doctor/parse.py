@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from doctor import signatures
+from doctor import engine_lines, signatures
 from stack.common import events
 
 SERVICES = ("router", "prefill", "decode", "engine")
@@ -211,6 +211,10 @@ def parse_lines(
         where = f"{origin}:{lineno}"
         if not client_source and (sig := signatures.match(text)) is not None:
             append(_signature_record(sig, service if service in SERVICES else "engine", "", "-", text, where))
+            continue
+        if service in SERVICES and (fact := engine_lines.parse(text, service)) is not None:
+            ts, event, level, data = fact
+            append(Record(service, ts, event, "-", level, text[:300], data, text, where, hop_rank(service, 4)))
             continue
         record = _client_record(text, where) if (client_source or service in (None, CLIENT)) else None
         if record is not None:
