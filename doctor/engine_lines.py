@@ -34,12 +34,16 @@ KINDS: tuple[tuple[str, re.Pattern[str]], ...] = tuple((kind, re.compile(pattern
     ("max_len", r"^Using max model len (\d+)"),  # config/model.py
     ("kv_capacity", rf"^(?:GPU|CPU|XPU)? ?KV cache size: {_NUMBER} tokens"),  # v1/core/kv_cache_utils.py
     ("stats", r"^Engine \d+: Avg prompt throughput: .*Running: (\d+) reqs, Waiting: (\d+) reqs"),  # v1/metrics/loggers.py
-    ("ready", r"^Application startup complete|^Starting vLLM API server"),
-    ("shutdown", r"^Shutting down|^Application shutdown complete"),
-    # v1/engine/core.py, v1/engine/core_client.py, v1/engine/exceptions.py (EngineDeadError's message)
-    ("fatal", r"EngineCore encountered a fatal error|Engine core proc \S+ died unexpectedly|EngineDeadError|"
-              r"EngineCore failed to start|Engine core initialization failed|"
-              r"EngineCore encountered an issue|Engine loop has died|AsyncEngineDeadError"),
+    ("ready", r"^Starting vLLM (?:API )?server"),  # entrypoints (entry.py in 0.32)
+    # a stop asked for (SIGTERM): entrypoints/launcher.py, v1/engine/core.py ("[shutdown] …" in 0.32)
+    ("shutdown", r"^\[shutdown\] (?:API server: shutdown triggered|EngineCore: trigger received signal)|"
+                 r"^Shutting down|^Application shutdown complete"),
+    # v1/engine/core.py ("EngineCore encountered a fatal error.", "EngineCore failed to start."), v1/engine/exceptions.py
+    # (EngineDeadError: "EngineCore encountered an issue. …"), v1/engine/core_client.py ("engine core exited
+    # unexpectedly"), v1/engine/utils.py ("Engine core initialization failed."), v1/utils.py ("died with exit code")
+    ("fatal", r"EngineCore encountered a fatal error|EngineCore failed to start|EngineCore encountered an issue|"
+              r"EngineDeadError|engine core exited unexpectedly|Engine core initialization failed|"
+              r"Engine core process \S+ died|Process \S+ \(PID: \d+\) died with exit code"),
 ))
 _CHATCMPL = re.compile(r"\b((?:chatcmpl|cmpl|resp)-[A-Za-z0-9_-]+)")
 _CONFIG_FIELD = re.compile(r"(\w+)=('[^']*'|[^,]+)")
@@ -88,7 +92,10 @@ def _values(kind: str, hit: re.Match[str], msg: str) -> dict:
     if kind == "stats":
         out: dict = {"running": int(hit.group(1)), "waiting": int(hit.group(2))}
         usage = re.search(r"KV cache usage: ([\d.]+)%", msg)
-        fetch = re.search(r"KV fetch: (\d+) waiting", msg)
+        fetch = re.search(r"KV fetch: (\d+) waiting to start", msg)
+        preempted = re.search(r"Preemptions: (\d+)", msg)
+        if preempted:
+            out["preemptions"] = int(preempted.group(1))
         if usage:
             out["kv_usage_pct"] = float(usage.group(1))
         if fetch:

@@ -2,7 +2,8 @@
 
 Decided after every other diagnosis: any request with router lines that did not complete and whose id
 no finding carries is counted here, by the status the router answered, with its lines as evidence.
-A request the client itself abandoned (router.client_disconnected) is no failure; `healthy` counts it
+An error when any of them got a 5xx or when no request in the window completed (a window where every request
+failed never exits 0); a 4xx the router answered is a warning (the client's request, most likely). A request the client itself abandoned (router.client_disconnected) is no failure; `healthy` counts it
 among those that did not complete.
 """
 
@@ -27,8 +28,10 @@ def check(ctx: Context, explained: set[str]) -> list[Finding]:
         bad = [r for r in t.records if r.level in ("WARNING", "ERROR", "CRITICAL")]
         evidence += (bad or t.records)[:2] + t.events(events.ROUTER_REQUEST_DONE)[:1]
     server_side = any((t.status or 500) >= 500 for t in failed)
+    # a window where no request went through is never a pass, whatever the statuses
+    nothing_passed = not any(t.complete for t in ctx.timelines.values())
     return [finding(
-        "request.unexplained", "error" if server_side else "warning",
+        "request.unexplained", "error" if server_side or nothing_passed else "warning",
         f"{len(failed)} request(s) failed for a reason no diagnosis knows (status "
         + ", ".join(f"{s} ×{n}" for s, n in sorted(statuses.items())) + ")",
         "These requests did not complete, and none of the doctor's diagnoses recognised why; the evidence lines "

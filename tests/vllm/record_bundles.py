@@ -81,13 +81,13 @@ class Pair:
             if stream:
                 text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
                     stream=True, **kwargs) if c.choices)
-                self.client_lines.append(f"{rid}: ok, streamed {len(text)} characters in {time.monotonic() - started:.1f} s")
+                self.client_lines.append(f"request_id={rid} ok, streamed {len(text)} characters in {time.monotonic() - started:.1f} s")
             else:
                 usage = client.chat.completions.create(**kwargs).usage
-                self.client_lines.append(f"{rid}: ok, prompt_tokens {usage.prompt_tokens if usage else '?'} in "
+                self.client_lines.append(f"request_id={rid} ok, prompt_tokens {usage.prompt_tokens if usage else '?'} in "
                                          f"{time.monotonic() - started:.1f} s")
         except openai.APIError as exc:
-            self.client_lines.append(f"{rid}: {type(exc).__module__}.{type(exc).__name__}: {exc}")
+            self.client_lines.append(f"request_id={rid} {type(exc).__module__}.{type(exc).__name__}: {exc}")
 
     def save(self, name: str) -> Path:
         """Stop everything and keep the bundle (the router key must never be in it)."""
