@@ -50,7 +50,7 @@ REGISTRY: tuple[Check, ...] = (
           slowness.check),
 )
 # Findings that name a symptom, not a cause: for requests a specific finding explains, they step back.
-GENERIC = frozenset({"choices.decode_failed", "choices.stream_without_done", "choices.error_body", "backend.decode_down",
+GENERIC = frozenset({"choices.decode_failed", "choices.stream_without_done", "backend.decode_down",
                      "backend.prefill_down", "auth.not_from_router"})
 STALLED = "stalled"  # the id `--check` selects the stalled-request diagnosis by
 UNEXPLAINED = "unexplained"  # failed requests no diagnosis explained

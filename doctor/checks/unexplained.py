@@ -3,8 +3,9 @@
 Decided after every other diagnosis: any request with router lines that did not complete and whose id
 no finding carries is counted here, by the status the router answered, with its lines as evidence.
 An error when any of them got a 5xx or when no request in the window completed (a window where every request
-failed never exits 0); a 4xx the router answered is a warning (the client's request, most likely). A request the client itself abandoned (router.client_disconnected) is no failure; `healthy` counts it
-among those that did not complete.
+failed never exits 0); a 4xx the router answered is a warning (the client's request, most likely). A request
+the client itself abandoned (router.client_disconnected) is no failure; `healthy` counts it among those that
+did not complete.
 """
 
 from __future__ import annotations

@@ -1,0 +1,62 @@
+"""The doctor on the faults PD users of vLLM hit, from bundles a real vLLM 0.32.0 CPU prefill/decode pair over NIXL
+printed behind the real router (tests/vllm/record_bundles.py; tests/unit/doctor/bundles/README.md says how).
+
+Each test: the finding id, evidence lines from the hop that failed, the failed requests joined (the router's ids and
+the clients' X-Request-IDs), a fix valid for vLLM (its flags and environment, never our JSON lines), and the exit code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from doctor.checks import GENERIC
+from doctor.cli import main
+from tests.unit.doctor.helpers import by_id, diagnose
+
+BUNDLES = Path(__file__).parent / "bundles"
+
+
+def client_ids(bundle: str, prefix: str) -> set[str]:
+    lines = (BUNDLES / bundle / "client.txt").read_text().splitlines()
+    return {line.split()[0].removeprefix("request_id=") for line in lines
+            if line.startswith(f"request_id={prefix}") and " ok, " not in line}
+
+
+def exit_code(bundle: str) -> int:
+    return main(["diagnose", "--logs", str(BUNDLES / bundle)], stdout=open("/dev/null", "w"))
+
+
+def assert_vllm_fix(fix: str) -> None:
+    assert '"level"' not in fix and "jq" not in fix, fix  # vLLM's lines are plain text
+
+
+def test_engine_key_mismatch_is_named_with_both_sides():
+    """Engines with VLLM_API_KEY ≠ the router's PD_INTERNAL_KEY: the router's 401 from prefill and prefill's own 401
+    access lines; the clients got 502 (not 400) and nothing blames the client's base URL."""
+    findings, _ = diagnose(BUNDLES / "vllm_key_mismatch")
+    f = by_id(findings, "auth.internal_key_mismatch")
+    assert findings[0] is f and f.severity == "error"
+    assert {"router", "prefill", "client"} <= {e.service for e in f.evidence}
+    assert any('"POST /v1/chat/completions HTTP/1.1" 401' in e.line for e in f.evidence if e.service == "prefill")
+    assert client_ids("vllm_key_mismatch", "rec-key") <= set(f.request_ids)
+    assert "VLLM_API_KEY" in f.fix and "PD_INTERNAL_KEY" in f.fix
+    assert_vllm_fix(f.fix)
+    assert not {"auth.not_from_router", "request.unexplained"} & {x.id for x in findings}
+    assert exit_code("vllm_key_mismatch") == 1
+
+
+def test_decode_max_len_is_read_from_vllms_start_up_lines():
+    """Decode --max-model-len 512 vs prefill 2048: both engines' `non-default args` lines, the router's relay of
+    decode's refusal, the two long requests (the short one passed)."""
+    findings, ctx = diagnose(BUNDLES / "vllm_max_len")
+    f = by_id(findings, "config.max_model_len_mismatch")
+    assert findings[0] is f and f.severity == "error"
+    assert "prefill 2048, decode 512" in f.title and "2 request(s) failed" in f.title
+    decode_lines = [e.line for e in f.evidence if e.service == "decode"]
+    assert any("'max_model_len': 512" in line for line in decode_lines)
+    assert any("maximum context length is 512" in e.line for e in f.evidence if e.service == "router")
+    assert set(f.request_ids) >= client_ids("vllm_max_len", "rec-len-long") and "rec-len-short" not in f.request_ids
+    assert "--max-model-len 2048" in f.fix
+    assert_vllm_fix(f.fix)
+    assert not GENERIC & {x.id for x in findings}
+    assert exit_code("vllm_max_len") == 1
