@@ -106,5 +106,5 @@ def _fix(ctx: Context, kind: str, key: str, a: object, b: object) -> str:
         file = ctx.facts.config_file("decode")[0]
         how = f"set \"{key}\": {want!r} in {file} as in {ctx.facts.config_file('prefill')[0]}"
     then = "docker compose up -d --force-recreate prefill decode" if ctx.docker is not None else \
-        "restart both engines (python -m doctor verify --prefill-url … --decode-url … then checks them)"
+        "restart both engines, then: python -m doctor check --router-url … --prefill-url … --decode-url …"
     return f"{how}; {then}"
