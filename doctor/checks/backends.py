@@ -38,9 +38,14 @@ def check(ctx: Context) -> list[Finding]:
                 container += f" (exit code {exit_info['exit_code']})"
             container += "."
         reasons = sorted({r[events.REASON] or "?" for r in down})
+        # Back up after the last refusal: it was down, it is not now (the router's own health line says so).
+        back = [r for r in ctx.by_event(events.BACKEND_HEALTH) if r[events.ROLE] == role and r[events.STATE] == "up"
+                and r.ts > failed[-1].ts]
+        since = (down[0] if down else failed[0]).ts
+        headline = f"The {role} backend was down from {since} to {back[0].ts}" if back else f"No {role} backend is up"
         out.append(finding(
             f"backend.{role}_down", "error",
-            f"No {role} backend is up: {len(failed)} request(s) got 503 no_{role}_backend",
+            f"{headline}: {len(failed)} request(s) got 503 no_{role}_backend",
             f"The router has no healthy {role} engine to send requests to"
             + (f"; it marked it down ({', '.join(reasons)})" if down else "")
             + (f"; {len(left)} replica(s) left the pool (no longer found under {left[-1][events.DISCOVER]}, "
@@ -49,5 +54,5 @@ def check(ctx: Context) -> list[Finding]:
                exit_info.get("exit_code") == 137 else ""),
             f"docker compose ps {role}; docker compose logs {role} --tail 50; then docker compose up -d {role} "
             "(if it was OOM-killed: a smaller checkpoint or more memory for the container)",
-            failed[:3] + down[:2] + left[-2:] + last, [r.request_id for r in failed]))
+            failed[:3] + down[:2] + left[-2:] + back[:1] + last, [r.request_id for r in failed]))
     return out

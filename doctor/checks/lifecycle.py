@@ -102,6 +102,7 @@ def check(ctx: Context) -> list[Finding]:
                 _restart_fix(ctx, service, "EngineCore|EngineDeadError|Error|Traceback"),
                 fatal[:3] + cut[:3] + (starts[-1].records[:1] if restart else []), cut_ids))
         elif restart:
+            stopped = [r for r in ctx.by_event(VLLM + "shutdown") if r.service == service and r.ts == down_from]
             out.append(finding(
                 "engine.restarted", "error" if cut else "warning",
                 f"{service} restarted: it was down from {down_from or '?'} to {down_to} (a second start-up in its log); "
@@ -111,7 +112,7 @@ def check(ctx: Context) -> list[Finding]:
                 "It serves again now: nothing is down.",
                 f"find why {service} stopped (its lines before {down_from or 'the second start-up'}; a kill, OOM or "
                 f"a deploy); retry the cut requests. {_restart_fix(ctx, service, 'Shutting down|Error|Killed')}",
-                cut[:3] + starts[0].records[:1] + starts[-1].records[:1], cut_ids))
+                cut[:3] + starts[0].records[:1] + stopped[:1] + starts[-1].records[:1], cut_ids))
     return out
 
 

@@ -60,3 +60,22 @@ def test_decode_max_len_is_read_from_vllms_start_up_lines():
     assert_vllm_fix(f.fix)
     assert not GENERIC & {x.id for x in findings}
     assert exit_code("vllm_max_len") == 1
+
+
+def test_decode_restart_is_named_with_when_it_was_down():
+    """Decode stopped under three streams and started again: one finding with both start-up banners, "was down from
+    T1 to T2", the three cut streams joined; no "no decode backend is up" while decode serves again."""
+    findings, ctx = diagnose(BUNDLES / "vllm_decode_restart")
+    f = by_id(findings, "engine.restarted")
+    assert findings[0] is f and f.severity == "error"
+    assert "was down from 2026-12-02T03:16:46 to 2026-12-02T03:19:30" in f.title and "3 request(s) failed" in f.title
+    banners = [e for e in f.evidence if e.service == "decode" and "version 0.32.0" in e.line]
+    assert len(banners) == 2
+    assert any("[shutdown]" in e.line for e in f.evidence if e.service == "decode")
+    assert any('"router.decode_failed"' in e.line for e in f.evidence if e.service == "router")
+    assert client_ids("vllm_decode_restart", "rec-restart-cut") <= set(f.request_ids)
+    assert not {i for i in f.request_ids if "before" in i or "after" in i}
+    assert "docker compose" not in f.fix and "vllm serve" in f.fix  # recorded from processes, not compose
+    assert_vllm_fix(f.fix)
+    assert not GENERIC & {x.id for x in findings} and "backend.decode_down" not in {x.id for x in findings}
+    assert exit_code("vllm_decode_restart") == 1
