@@ -77,7 +77,8 @@ def _values(kind: str, hit: re.Match[str], msg: str) -> dict:
         return {"version": hit.group(1) or hit.group(2)}
     if kind == "args":
         try:  # a Python dict literal, except values like KVTransferConfig(…): keep the plain ones
-            return {"args": ast.literal_eval(re.sub(r"\w+Config\([^)]*\)", "None", hit.group(1)))}
+            args = ast.literal_eval(re.sub(r"\w+Config\([^)]*\)", "None", hit.group(1)))
+            return {"args": {k: v for k, v in args.items() if k != "api_key"}}
         except (ValueError, SyntaxError):
             return {"args": {}}
     if kind == "engine_config":
@@ -102,6 +103,14 @@ def _values(kind: str, hit: re.Match[str], msg: str) -> dict:
             out["kv_fetch_waiting"] = int(fetch.group(1))
         return out
     return {}
+
+
+_API_KEY = re.compile(r"('api_key': )(?:'[^']*'|\[[^\]]*\])")
+
+
+def redact(line: str) -> str:
+    """vLLM prints --api-key among its non-default args: evidence never shows a key."""
+    return _API_KEY.sub(r"\1'<redacted>'", line) if "'api_key'" in line else line
 
 
 def request_ids(line: str) -> list[str]:

@@ -214,6 +214,7 @@ def parse_lines(
             continue
         if service in SERVICES and (fact := engine_lines.parse(text, service)) is not None:
             ts, event, level, data = fact
+            text = engine_lines.redact(text)
             append(Record(service, ts, event, "-", level, text[:300], data, text, where, hop_rank(service, 4)))
             continue
         record = _client_record(text, where) if (client_source or service in (None, CLIENT)) else None

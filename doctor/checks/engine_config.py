@@ -38,27 +38,17 @@ FLAG = {"max_model_len": "--max-model-len", "tokenizer": "--tokenizer", "block_s
 
 
 def _broken(ctx: Context, key: str) -> list[Timeline]:
-    """The requests the mismatch broke: failed ones (with the key's symptom when it has one), and for a tokenizer
-    also answered ones whose prompt decode counted otherwise than prefill did."""
+    """The requests the mismatch broke: failed ones (with the key's symptom when it has one); for a tokenizer also
+    every answered one that decode continued from prefill's KV (decode re-tokenized its prompt: wrong by construction)."""
     out = []
     symptom = SYMPTOMS.get(key)
     for t in ctx.timelines.values():
         failed = not t.complete and (t.status or 0) != 499 and t.first(events.ROUTER_CLIENT_DISCONNECTED) is None
         if failed and (symptom is None or any(symptom.search(r.line) for r in t.records)):
             out.append(t)
-        elif key == "tokenizer" and t.complete and _counts_differ(t):
+        elif key == "tokenizer" and t.complete and t.first(events.ROUTER_KV_HANDOFF) is not None:
             out.append(t)
     return out
-
-
-def _counts_differ(t: Timeline) -> bool:
-    """Prefill's prompt token count (its answer's usage, relayed in the hand-off) ≠ the one the client was billed."""
-    done = t.first(events.ROUTER_REQUEST_DONE)
-    handoff = t.first(events.ROUTER_KV_HANDOFF)
-    if done is None or handoff is None:
-        return False
-    prefill_tokens = (handoff[events.KV_TRANSFER_PARAMS] or {}).get("prompt_tokens")
-    return isinstance(prefill_tokens, int) and prefill_tokens != done[events.PROMPT_TOKENS]
 
 
 def _shown(value: object) -> str:
