@@ -69,7 +69,9 @@ def check(ctx: Context) -> list[Finding]:
         broken = _broken(ctx, key)
         evidence = prefill.evidence(key) + decode.evidence(key)
         for t in broken[:2]:
-            evidence += [r for r in t.records if r.service == "router" and r.level in ("WARNING", "ERROR")][:1]
+            router = [r for r in t.records if r.service == "router"]
+            evidence += ([r for r in router if r.level == "ERROR" or r.event == events.ROUTER_UPSTREAM_ERROR]
+                         or t.events(events.ROUTER_REQUEST_DONE))[:1]
             evidence += [r for r in t.records if r.service == "decode"][:1]
         kind = prefill.kind if prefill.kind == decode.kind else f"{prefill.kind}/{decode.kind}"
         failed = sum(not t.complete for t in broken)

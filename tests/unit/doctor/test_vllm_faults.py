@@ -79,3 +79,19 @@ def test_decode_restart_is_named_with_when_it_was_down():
     assert_vllm_fix(f.fix)
     assert not GENERIC & {x.id for x in findings} and "backend.decode_down" not in {x.id for x in findings}
     assert exit_code("vllm_decode_restart") == 1
+
+
+def test_different_tokenizer_on_decode_is_named_although_every_answer_was_200():
+    """Decode --tokenizer another BPE over the same weights: each 200 was continued from KV of other tokens. The
+    doctor reads both tokenizers from the engines' start-up lines and names every request decode continued."""
+    findings, ctx = diagnose(BUNDLES / "vllm_tokenizer")
+    f = by_id(findings, "config.tokenizer_mismatch")
+    assert findings[0] is f and f.severity == "error" and "3 answered from the wrong tokens" in f.title
+    assert "other-tokenizer" in f.title
+    assert any("other-tokenizer" in e.line for e in f.evidence if e.service == "decode")
+    assert any("tokenizer=" in e.line for e in f.evidence if e.service == "prefill")
+    assert len(ctx.timelines) == 3 and set(f.request_ids) >= set(ctx.timelines)
+    assert "--tokenizer" in f.fix
+    assert_vllm_fix(f.fix)
+    assert "healthy" not in {x.id for x in findings}
+    assert exit_code("vllm_tokenizer") == 1
