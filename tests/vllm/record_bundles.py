@@ -3,15 +3,17 @@ real router, requests sent with the openai SDK, and the logs kept as tests/unit/
 
     python -m tests.vllm.record_bundles [FAULT ...]      (repo root; the venv with the router's deps)
 
-Faults: key_mismatch, max_len, decode_restart, tokenizer, small_kv (all when none is named). One pair runs at a time
-(2 cores), every wait is bounded, and everything started is stopped, also on failure. Each bundle holds prefill.log,
-decode.log (vLLM's own output), router.log (JSON lines) and client.txt (what the SDK raised, per request).
+Faults: key_mismatch, max_len, decode_restart, tokenizer, small_kv, engine_dead (all when none is named). One pair
+runs at a time (2 cores), every wait is bounded, and everything started is stopped, also on failure. Each bundle holds
+prefill.log, decode.log (vLLM's own output), router.log (JSON lines) and client.txt (what the SDK raised, per request).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import shutil
 import subprocess
 import sys
@@ -170,7 +172,19 @@ def small_kv(pair: Callable[..., Pair]) -> Pair:
     return p
 
 
-FAULTS = ("key_mismatch", "max_len", "decode_restart", "tokenizer", "small_kv")
+def engine_dead(pair: Callable[..., Pair]) -> Pair:
+    """Decode's engine core process SIGKILLed (as the kernel's OOM killer does) while its API server lives on."""
+    p = pair()
+    p.send("rec-dead-before")
+    core = re.search(r"^\(EngineCore(?:_DP0)? pid=(\d+)\)", p.decode.log(), re.M)
+    assert core, "decode's log names no EngineCore pid"
+    os.kill(int(core.group(1)), signal.SIGKILL)
+    for n in range(3):
+        p.send(f"rec-dead-{n}", stream=n == 2)
+    return p
+
+
+FAULTS = ("key_mismatch", "max_len", "decode_restart", "tokenizer", "small_kv", "engine_dead")
 
 
 def record(name: str, venv: Path, checkpoint: Path) -> Path:
