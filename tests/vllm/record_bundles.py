@@ -91,6 +91,11 @@ class Pair:
         except openai.APIError as exc:
             self.client_lines.append(f"request_id={rid} {type(exc).__module__}.{type(exc).__name__}: {exc}")
 
+    def send_each(self, prefix: str, count: int = 3) -> None:
+        """`count` short requests one after the other, the last one streamed."""
+        for n in range(count):
+            self.send(f"{prefix}-{n}", stream=n == count - 1)
+
     def save(self, name: str) -> Path:
         """Stop everything and keep the bundle (the router key must never be in it)."""
         stop_all(self.started)
@@ -112,8 +117,7 @@ def key_mismatch(pair: Callable[..., Pair]) -> Pair:
         p = pair(env={"VLLM_API_KEY": "engine-key-2"})
     finally:
         del os.environ["PD_INTERNAL_KEY"]
-    for n in range(3):
-        p.send(f"rec-key-{n}", stream=n == 2)
+    p.send_each("rec-key")
     return p
 
 
@@ -156,8 +160,7 @@ def tokenizer(pair: Callable[..., Pair], workdir: Path, checkpoint: Path) -> Pai
     shutil.copytree(checkpoint, other)
     tiny_llama.train_tokenizer(280).save(str(other / "tokenizer.json"))
     p = pair(decode_args=("--tokenizer", str(other)))
-    for n in range(3):
-        p.send(f"rec-tok-{n}", stream=n == 2)
+    p.send_each("rec-tok")
     return p
 
 
@@ -179,8 +182,7 @@ def engine_dead(pair: Callable[..., Pair]) -> Pair:
     core = re.search(r"^\(EngineCore(?:_DP0)? pid=(\d+)\)", p.decode.log(), re.M)
     assert core, "decode's log names no EngineCore pid"
     os.kill(int(core.group(1)), signal.SIGKILL)
-    for n in range(3):
-        p.send(f"rec-dead-{n}", stream=n == 2)
+    p.send_each("rec-dead")
     return p
 
 
