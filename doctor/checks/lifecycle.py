@@ -90,14 +90,13 @@ def check(ctx: Context) -> list[Finding]:
             continue
         cut = failed_legs(ctx, role, since=_earlier(fatal[0].ts if fatal else down_from, CLOCK_SLACK_S), until=until)
         cut_ids = [r.request_id for r in cut] + [r.request_id for r in fatal if r.request_id != "-"]
-        up = " (engine_kind vLLM)" if engine_facts.kind_of(ctx, service) == "vllm" else ""
         if fatal:
             when = f"was down from {fatal[0].ts} to {down_to}" if restart else f"died at {fatal[0].ts} and did not come back"
             out.append(finding(
                 "engine.fatal", "error",
                 f"{service}'s engine core died (vLLM EngineCore): {service} {when}; {len(set(cut_ids))} request(s) failed",
                 f"vLLM's engine core process on {service} hit a fatal error and exited; its API server then answers "
-                f"every request with EngineDeadError (HTTP 500) until the engine is restarted{up}. The lines above "
+                f"every request with EngineDeadError (HTTP 500) until the engine is restarted. The lines above "
                 "the first one shown (the stack trace) name the root cause.",
                 _restart_fix(ctx, service, "EngineCore|EngineDeadError|Error|Traceback"),
                 fatal[:3] + cut[:3] + (starts[-1].records[:1] if restart else []), cut_ids))
@@ -120,4 +119,5 @@ def _restart_fix(ctx: Context, service: str, pattern: str) -> str:
     read = engine_facts.logs_command(ctx, service, pattern)
     if ctx.docker is not None:
         return f"{read}; then docker compose up -d {service}"
-    return f"{read}; then start the {service} engine again (its vllm serve command)"
+    command = "vllm serve" if engine_facts.kind_of(ctx, service) == "vllm" else "python -m stack.engine"
+    return f"{read}; then start the {service} engine again (its {command} command)"

@@ -165,11 +165,13 @@ def tokenizer(pair: Callable[..., Pair], workdir: Path, checkpoint: Path) -> Pai
 
 
 def small_kv(pair: Callable[..., Pair]) -> Pair:
-    """Decode with KV for about two ~1,100-token requests (--num-gpu-blocks-override 18 blocks of 128), 12 sent at once."""
-    p = pair(decode_args=("--num-gpu-blocks-override", "18"))
+    """Decode with KV for about two ~1,100-token requests (--num-gpu-blocks-override 18 blocks of 128), 12 sent at once,
+    each prompt its own (no shared prefix to cache) and 200 tokens long; vLLM's stats line every 2 s."""
+    p = pair(decode_args=("--num-gpu-blocks-override", "18"), env={"VLLM_LOG_STATS_INTERVAL": "2"})
     p.send("rec-kv-warm")
     with ThreadPoolExecutor(12) as pool:
-        futures = [pool.submit(p.send, f"rec-kv-{n}", LONG, n % 2 == 0, 48, {"ignore_eos": True}) for n in range(12)]
+        futures = [pool.submit(p.send, f"rec-kv-{n}", [{"role": "user", "content": f"{n} " + LONG[0]["content"]}],
+                               n % 2 == 0, 200, {"ignore_eos": True}) for n in range(12)]
         for future in futures:
             future.result(timeout=REQUEST_BOUND_S * 2)
     return p
