@@ -95,3 +95,20 @@ def test_different_tokenizer_on_decode_is_named_although_every_answer_was_200():
     assert_vllm_fix(f.fix)
     assert "healthy" not in {x.id for x in findings}
     assert exit_code("vllm_tokenizer") == 1
+
+
+def test_too_little_decode_kv_is_a_slowness_diagnosis_not_healthy():
+    """Decode with KV for about two of twelve concurrent ~1,100-token requests: all 200, but TTFT's P99 breaks the SLO;
+    the doctor names decode's KV waits from vLLM's stats line and its KV capacity line, and never says healthy."""
+    findings, ctx = diagnose(BUNDLES / "vllm_small_kv")
+    f = by_id(findings, "slow.decode_kv_capacity")
+    assert [x.id for x in findings] == ["slow.decode_kv_capacity"] and f.severity == "warning"
+    assert "P99 TTFT" in f.title and "> SLO 2 s" in f.title and "7 KV fetches not started" in f.title
+    assert "KV holds 2,304 tokens, about 2 request(s)" in f.cause
+    lines = [e.line for e in f.evidence if e.service == "decode"]
+    assert any("KV cache size: 2,304 tokens" in line for line in lines)
+    assert any("Waiting: 7 reqs, KV fetch: 7 waiting to start" in line for line in lines)
+    assert set(f.request_ids) >= set(ctx.timelines) and len(ctx.timelines) == 13
+    assert "VLLM_CPU_KVCACHE_SPACE" in f.fix and "./pd scale decode=N" in f.fix and "doctor advise" in f.fix
+    assert_vllm_fix(f.fix)
+    assert exit_code("vllm_small_kv") == 0  # slow is a warning: nothing failed
