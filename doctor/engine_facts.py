@@ -97,8 +97,13 @@ def kind_of(ctx: Context, service: str) -> str:
     return "vllm" if any(r.service == service and r.event.startswith(VLLM) for r in ctx.records) else "pd-engine"
 
 
+def compose(ctx: Context) -> bool:
+    """The stack runs under compose: read from a project, or from `docker compose logs` output."""
+    return ctx.docker is not None or ctx.stats.compose > 0
+
+
 def logs_command(ctx: Context, service: str, pattern: str) -> str:
     """How to read a service's lines for `pattern`, valid for how it runs: a compose service, or a process log."""
-    if ctx.docker is not None:
+    if compose(ctx):
         return f"docker compose logs {service} --since 10m | grep -E '{pattern}'"
     return f"grep -E '{pattern}' <{service}'s log>"

@@ -63,7 +63,7 @@ def run_checks(ctx: Context, only: Iterable[str] = ()) -> list[Finding]:
     for check in REGISTRY:
         if not wanted or check.id in wanted:
             results.extend(check.run(ctx))
-    results = _specific_first(results)
+    results = _specific_first(ctx, results)
     if not wanted or STALLED in wanted:
         explained = {rid for f in results for rid in f.request_ids}
         results.extend(stalled.check(ctx, explained))
@@ -75,9 +75,12 @@ def run_checks(ctx: Context, only: Iterable[str] = ()) -> list[Finding]:
     return results
 
 
-def _specific_first(results: list[Finding]) -> list[Finding]:
-    """Specific causes first; a generic finding only for requests none of them explains (dropped when none is left)."""
+def _specific_first(ctx: Context, results: list[Finding]) -> list[Finding]:
+    """Specific causes first; a generic finding only for requests none of them explains (dropped when none is left).
+    A request counts by the router's id or its client's X-Request-ID (findings name either)."""
     specific = [f for f in results if f.id not in GENERIC]
     explained = {rid for f in specific if f.severity != "ok" for rid in f.request_ids}
+    explained |= {r.data["client_request_id"] for rid in list(explained) if rid in ctx.timelines
+                  for r in ctx.timelines[rid].records if isinstance(r.data.get("client_request_id"), str)}
     generic = [f for f in results if f.id in GENERIC and not (f.request_ids and set(f.request_ids) <= explained)]
     return specific + generic

@@ -8,6 +8,7 @@ The vLLM P2pNccl registry mode has its own diagnosis (p2pnccl).
 
 from __future__ import annotations
 
+from doctor import engine_facts
 from doctor.findings import Context, Finding, finding
 from stack.common import events
 
@@ -52,7 +53,15 @@ def check(ctx: Context) -> list[Finding]:
                f"{left[-1][events.REPLICAS]} left)" if left else "") + "." + container
             + (" Exit code 137 / OOM-killed means the kernel killed it for memory." if exit_info.get("oom") or
                exit_info.get("exit_code") == 137 else ""),
-            f"docker compose ps {role}; docker compose logs {role} --tail 50; then docker compose up -d {role} "
-            "(if it was OOM-killed: a smaller checkpoint or more memory for the container)",
+            (f"docker compose ps {role}; docker compose logs {role} --tail 50; then docker compose up -d {role} "
+             "(if it was OOM-killed: a smaller checkpoint or more memory for the container)") if engine_facts.compose(ctx)
+            else f"curl {', '.join(_urls(refused, role)) or f'<the {role} URL>'}/health; read the {role} engine's log "
+                 f"(its last lines say why it stopped); start it again",
             failed[:3] + down[:2] + left[-2:] + back[:1] + last, [r.request_id for r in failed]))
     return out
+
+
+def _urls(refused: list, role: str) -> list[str]:
+    """The backends the router named as down in its 503s ("down: http://…")."""
+    return sorted({url.rstrip(")") for r in refused if r[events.CODE] == f"no_{role}_backend"
+                   for url in r.msg.split() if url.startswith("http")})

@@ -65,7 +65,7 @@ def _decode_failed_after_prefill(ctx: Context, client: list) -> list[Finding]:
         f"an error body instead of a completion; a client that reads `choices` without checking the status "
         f"fails with KeyError: 'choices'. Decode said: {str(detail)[:200]}",
         f"{engine_facts.logs_command(ctx, 'decode', _ERROR_LINES[engine_facts.kind_of(ctx, 'decode')])}; fix the "
-        f"decode error shown, then {'docker compose restart decode' if ctx.docker is not None else 'restart decode'}. "
+        f"decode error shown, then {'docker compose restart decode' if engine_facts.compose(ctx) else 'restart decode'}. "
         "Clients: check response.status / \"error\" before reading choices.",
         evidence, [t.request_id for t, _, _ in hits])]
 

@@ -97,6 +97,6 @@ def _fix(ctx: Context, kind: str, key: str, a: object, b: object) -> str:
     else:
         file = ctx.facts.config_file("decode")[0]
         how = f"set \"{key}\": {want!r} in {file} as in {ctx.facts.config_file('prefill')[0]}"
-    then = "docker compose up -d --force-recreate prefill decode" if ctx.docker is not None else \
+    then = "docker compose up -d --force-recreate prefill decode" if engine_facts.compose(ctx) else \
         "restart both engines, then: python -m doctor check --router-url … --prefill-url … --decode-url …"
     return f"{how}; {then}"

@@ -50,5 +50,5 @@ def _fix(ctx: Context, kinds: dict[str, str]) -> str:
             parts.append(f"start the {role} vLLM with VLLM_API_KEY (or --api-key) equal to the router's PD_INTERNAL_KEY")
         else:
             parts.append(f"give the {role} engine the router's PD_INTERNAL_KEY")
-    restart = "docker compose up -d router prefill decode" if ctx.docker is not None else "restart the engines"
+    restart = "docker compose up -d router prefill decode" if engine_facts.compose(ctx) else "restart the engines"
     return f"{'; '.join(parts)} ({compare}); {restart}"

@@ -95,9 +95,9 @@ def check(ctx: Context) -> list[Finding]:
             out.append(finding(
                 "engine.fatal", "error",
                 f"{service}'s engine core died (vLLM EngineCore): {service} {when}; {len(set(cut_ids))} request(s) failed",
-                f"vLLM's engine core process on {service} hit a fatal error and exited; its API server then answers "
-                f"every request with EngineDeadError (HTTP 500) until the engine is restarted. The lines above "
-                "the first one shown (the stack trace) name the root cause.",
+                f"vLLM's engine core process on {service} died (a fatal error, or killed: OOM, a signal); its API "
+                "server fails the requests in flight with EngineDeadError (HTTP 500) and shuts down, so later requests "
+                "find no engine. The lines just above the first one shown name the root cause.",
                 _restart_fix(ctx, service, "EngineCore|EngineDeadError|Error|Traceback"),
                 fatal[:3] + cut[:3] + (starts[-1].records[:1] if restart else []), cut_ids))
         elif restart:
@@ -117,7 +117,7 @@ def check(ctx: Context) -> list[Finding]:
 
 def _restart_fix(ctx: Context, service: str, pattern: str) -> str:
     read = engine_facts.logs_command(ctx, service, pattern)
-    if ctx.docker is not None:
+    if engine_facts.compose(ctx):
         return f"{read}; then docker compose up -d {service}"
     command = "vllm serve" if engine_facts.kind_of(ctx, service) == "vllm" else "python -m stack.engine"
     return f"{read}; then start the {service} engine again (its {command} command)"

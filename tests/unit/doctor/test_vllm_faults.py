@@ -112,3 +112,20 @@ def test_too_little_decode_kv_is_a_slowness_diagnosis_not_healthy():
     assert "VLLM_CPU_KVCACHE_SPACE" in f.fix and "./pd scale decode=N" in f.fix and "doctor advise" in f.fix
     assert_vllm_fix(f.fix)
     assert exit_code("vllm_small_kv") == 0  # slow is a warning: nothing failed
+
+
+def test_a_dead_engine_core_is_named_with_vllms_own_lines():
+    """Decode's EngineCore killed: vLLM's "engine core exited unexpectedly" and EngineDeadError lines, the three requests
+    that failed after it (500 relayed, connect refused, 503) in one finding; no generic "decode is down" beside it."""
+    findings, _ = diagnose(BUNDLES / "vllm_engine_dead")
+    f = by_id(findings, "engine.fatal")
+    assert [x.id for x in findings] == ["engine.fatal"] and f.severity == "error"
+    assert "did not come back" in f.title and "3 request(s) failed" in f.title
+    decode = [e.line for e in f.evidence if e.service == "decode"]
+    assert any("engine core exited unexpectedly" in line for line in decode)
+    assert any("EngineDeadError: EngineCore encountered an issue" in line for line in decode)
+    assert client_ids("vllm_engine_dead", "rec-dead") <= set(f.request_ids) | {"rec-dead-2"}
+    assert len(set(f.request_ids) - client_ids("vllm_engine_dead", "rec-dead")) == 3
+    assert "EngineDeadError" in f.fix and "vllm serve" in f.fix
+    assert_vllm_fix(f.fix)
+    assert exit_code("vllm_engine_dead") == 1
