@@ -52,13 +52,10 @@ def check(ctx: Context) -> list[Finding]:
         return []
     slow_ids = [r.request_id for r in done]
     for service in ("decode", "prefill", "engine"):
-        stats = [r for r in ctx.by_event(VLLM + "stats") if r.service == service]
-        waiting = max((r.data.get("waiting", 0) for r in stats), default=0)
-        if not waiting:
+        load = _load(ctx, service)
+        if load is None:
             continue
-        worst = max(stats, key=lambda r: (r.data.get("waiting", 0), r.data.get("kv_fetch_waiting", 0)))
-        fetch = max((r.data.get("kv_fetch_waiting", 0) for r in stats), default=0)
-        usage = max((r.data.get("kv_usage_pct", 0.0) for r in stats), default=0.0)
+        waiting, kv_waits, detail, worst = load
         runs = engine_facts.starts(ctx).get(service, [])
         capacity = runs[-1].kv_tokens if runs else None
         prompt = [r[events.PROMPT_TOKENS] + (r[events.COMPLETION_TOKENS] or 0) for r in done
@@ -66,18 +63,16 @@ def check(ctx: Context) -> list[Finding]:
         per_request = sum(prompt) / len(prompt) if prompt else None
         holds = (f" — its KV holds {capacity:,} tokens, about {capacity / per_request:.0f} request(s) of "
                  f"{per_request:.0f} tokens" if capacity and per_request else "")
-        kv_bound = fetch > 0 or usage >= KV_FULL_PCT
-        cause = (f"{service} ran out of KV blocks: up to {waiting} request(s) waited (KV fetch: {fetch} waiting to start; "
-                 f"KV cache usage up to {usage:.0f}%){holds}. Requests queue on {service} until running ones free "
-                 "their blocks." if kv_bound else
-                 f"{service} had more requests than it runs at once: up to {waiting} waited while its KV cache was at "
-                 f"most {usage:.0f}% full (compute-bound or --max-num-seqs).")
+        kv_bound = kv_waits is not None
+        cause = (f"{service} ran out of KV blocks: up to {waiting} request(s) waited ({detail}){holds}. Requests queue "
+                 f"on {service} until running ones free their blocks." if kv_bound else
+                 f"{service} had more requests than it runs at once: up to {waiting} waited ({detail}): compute-bound, "
+                 "or its batch limit.")
         return [finding(
-            "slow.decode_kv_capacity" if kv_bound and service == "decode" else
             f"slow.{service}_kv_capacity" if kv_bound else f"slow.{service}_queueing", "warning",
             f"Slow: {'; '.join(broken)} over {len(done)} request(s); {service} queued up to {waiting} request(s)"
-            + (f" waiting for KV ({fetch} KV fetches not started)" if kv_bound else ""),
-            cause, _fix(ctx, service, kv_bound), [worst] + runs[-1].evidence("kv_tokens")[:1] if runs else [worst],
+            + (f" waiting for KV ({kv_waits})" if kv_bound else ""),
+            cause, _fix(ctx, service, kv_bound), worst + (runs[-1].evidence("kv_tokens")[:1] if runs else []),
             slow_ids)]
     return [finding(
         "slow.slo_missed", "warning", f"Slow: {'; '.join(broken)} over {len(done)} request(s)",
@@ -85,6 +80,28 @@ def check(ctx: Context) -> list[Finding]:
         "the time goes in the engines' compute or the KV transfer; python -m doctor explain <request id> shows which hop.",
         "python -m doctor advise (more prefill or more decode, from the router's metrics under this load); ./pd scale",
         done[:3], slow_ids)]
+
+
+def _load(ctx: Context, service: str) -> tuple[int, str | None, str, list] | None:
+    """(most requests waiting, what waited for KV or None, what the engine said, the lines) on one engine, or None when
+    none waited: vLLM's stats lines; our engine's engine.request_queued (a wait for KV blocks) and the router's
+    router.queued for that role (every slot busy)."""
+    stats = [r for r in ctx.by_event(VLLM + "stats") if r.service == service]
+    waiting = max((r.data.get("waiting", 0) for r in stats), default=0)
+    if waiting:
+        worst = max(stats, key=lambda r: (r.data.get("waiting", 0), r.data.get("kv_fetch_waiting", 0)))
+        fetch = max(r.data.get("kv_fetch_waiting", 0) for r in stats)
+        usage = max(r.data.get("kv_usage_pct", 0.0) for r in stats)
+        kv = f"{fetch} KV fetches not started" if fetch else f"KV cache {usage:.0f}% full" if usage >= KV_FULL_PCT else None
+        return waiting, kv, f"KV fetch: {fetch} waiting to start; KV cache usage up to {usage:.0f}%", [worst]
+    kv_waits = [r for r in ctx.by_event(events.ENGINE_REQUEST_QUEUED) if r.service == service]
+    queued = [r for r in ctx.by_event(events.ROUTER_QUEUED) if r[events.ROLE] == service]
+    if not kv_waits and not queued:
+        return None
+    depth = max((r[events.QUEUE_DEPTH] or 0 for r in queued), default=0)
+    said = f"{len(kv_waits)} engine.request_queued for KV blocks; router queue depth up to {depth}"
+    return (max(depth, len(kv_waits)), f"{len(kv_waits)} waits for KV blocks" if kv_waits else None, said,
+            kv_waits[:2] + queued[:2])
 
 
 def _fix(ctx: Context, service: str, kv_bound: bool) -> str:
