@@ -209,7 +209,7 @@ def _advise(args: argparse.Namespace, out: TextIO) -> int:
     try:
         if args.window <= 0 or args.interval <= 0:
             raise DoctorError(f"--window and --interval must be > 0 s, got {args.window:g} and {args.interval:g}")
-        seen = advise.window(live.scrape_metrics(url, args.window, args.interval))
+        seen = advise.window(advise.scrape_metrics(url, args.window, args.interval))
     except DoctorError as exc:
         render.render_failure(str(exc), args.json, out)
         return 2

@@ -37,7 +37,7 @@ def probe_engine(role: str, url: str) -> tuple[list[Finding], dict | None]:
     """GET /health and GET /v1/models (with PD_INTERNAL_KEY) → findings and the first model card."""
     url = url.rstrip("/")
     try:
-        with live._request(f"{url}/health", None) as response:
+        with live.request(f"{url}/health", None) as response:
             healthy = response.status == 200
     except (urllib.error.URLError, OSError) as exc:
         return [live.problem(f"engine.{role}", "error", f"{role} engine not reachable at {url}: {exc}",
@@ -45,7 +45,7 @@ def probe_engine(role: str, url: str) -> tuple[list[Finding], dict | None]:
                              f"start the {role} engine; curl {url}/health")], None
     key = os.environ.get("PD_INTERNAL_KEY") or None
     try:
-        with live._request(f"{url}/v1/models", key) as response:
+        with live.request(f"{url}/v1/models", key) as response:
             cards = json.loads(response.read()).get("data") or []
     except urllib.error.HTTPError as exc:
         if exc.code in (401, 403):
