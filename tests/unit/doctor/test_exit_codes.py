@@ -44,19 +44,20 @@ def test_a_window_where_every_request_failed_never_exits_0(tmp_path):
 def test_decode_refusing_what_prefill_accepted_is_the_stacks_failure(tmp_path):
     """A 4xx decode answered after prefill accepted the request, beside a 4xx of the client's own: exit 1."""
     code, findings = diagnose(tmp_path, request("b1", 400, prefilled=True) + request("b2", 422)
-                              + _complete("b3"))
+                              + complete("b3"))
     assert code == 1
     assert {f["severity"] for f in findings if "b1" in f["request_ids"]} == {"error"}
     assert {f["severity"] for f in findings if "b2" in f["request_ids"]} == {"warning"}  # the client's own 4xx
 
 
-def _complete(rid: str) -> list[str]:
+def complete(rid: str, ttft_ms: float = 200.0) -> list[str]:
+    """A request that went router → prefill → KV (a vLLM hand-off) → decode and was answered."""
     return [line(rid, "router.request_received", "01.000", api="chat", model="m", stream=False),
             line(rid, "router.scheduled", "01.001", prefill="http://p", decode="http://d", policy="load_aware",
                  mode="disaggregated", attempt=1),
             line(rid, "router.prefill_done", "01.100", prefill="http://p", prefill_ms=90.0, transfer_id=rid),
             line(rid, "router.kv_handoff", "01.101", decode="http://d", transfer_id=rid,
                  kv_transfer_params=["remote_engine_id"]),
-            line(rid, "router.decode_first_token", "01.200", decode="http://d", ttft_ms=200.0),
+            line(rid, "router.decode_first_token", "01.200", decode="http://d", ttft_ms=ttft_ms),
             line(rid, "router.request_done", "01.300", api="chat", key_name="default", status=200, error=None,
-                 prompt_tokens=5, completion_tokens=4, e2e_ms=300.0)]
+                 prompt_tokens=500, completion_tokens=20, e2e_ms=ttft_ms + 500.0)]
