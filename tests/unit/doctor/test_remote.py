@@ -5,8 +5,10 @@ max_model_len; its API-key middleware answers 401 {"error": "Unauthorized"}), on
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import os
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,6 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from doctor.cli import main
+from tests.unit.router_front.conftest import ServiceProcess, free_port
+from tests.unit.router_pd.conftest import INTERNAL_KEY, EngineProcess, router_settings
 
 
 def serve(max_model_len: int, key: str | None = None) -> ThreadingHTTPServer:
@@ -84,3 +88,38 @@ def test_check_by_url_names_an_engine_refusing_the_internal_key(engines, monkeyp
     refused = found["auth.internal_key_mismatch"]
     assert "decode engine" in refused["title"] and "HTTP 401" in refused["title"]
     assert "VLLM_API_KEY" in refused["fix"] and "router-key" not in json.dumps(refused)
+
+
+def test_verify_proves_the_path_from_a_process_deployments_log_files(tmp_path, monkeypatch):
+    """Our engines and the router run as processes (no compose): verify --router-url --logs sends one stream and proves
+    router → prefill → KV → decode from their log files."""
+    key = "pd-doctor-remote-key"
+    started: list = []
+    try:
+        prefill, decode = EngineProcess("prefill", tmp_path).start(), EngineProcess("decode", tmp_path).start()
+        started += [prefill, decode]
+
+        async def ready() -> None:
+            await asyncio.gather(prefill.ready(), decode.ready())
+
+        asyncio.run(ready())
+        port, health_port = free_port(), free_port()
+        model = json.loads(decode.config_path.read_text())["model"]
+        settings = router_settings(tmp_path, "router", prefill, decode, model,
+                                   server=f"port = {port}\nhealth_port = {health_port}")
+        router = ServiceProcess("router", ["stack.router", "--config", str(settings)], tmp_path / "router.log",
+                                f"127.0.0.1:{health_port}", bound_s=120,
+                                env={**os.environ, "PD_TEST_KEY": key, "PD_INTERNAL_KEY": INTERNAL_KEY})
+        started.append(router)
+        monkeypatch.setenv("TAOTOKEN_API_KEY", key)  # what the doctor sends, as a client would
+        out = io.StringIO()
+        code = main(["verify", "--json", "--home", str(tmp_path / "no-home"), "--router-url", f"http://127.0.0.1:{port}",
+                     "--logs", str(tmp_path / "router.log"), "--logs", str(prefill.log_path), "--logs",
+                     str(decode.log_path)], stdout=out)
+        report = json.loads(out.getvalue())
+        verified = next(f for f in report["findings"] if f["id"] == "verify")
+        assert code == 0 and verified["severity"] == "ok", report
+        assert "router → prefill → kv → decode → done" in verified["title"]
+    finally:
+        for service in reversed(started):
+            service.stop()
