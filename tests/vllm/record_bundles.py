@@ -35,6 +35,8 @@ HELLO = [{"role": "user", "content": "Explain the key value cache in one sentenc
 # ~1,100 tokens with the tiny checkpoint's byte-level BPE (digits are single tokens): over 512, under 2048.
 LONG = [{"role": "user", "content": " ".join(str(i) for i in range(300))}]
 REQUEST_BOUND_S = 240
+# key_mismatch's two keys: the router's PD_INTERNAL_KEY and the engines' VLLM_API_KEY (neither may reach a bundle)
+ROUTER_INTERNAL_KEY, ENGINE_KEY = "router-internal-key-1", "engine-key-2"
 
 
 class Pair:
@@ -104,7 +106,7 @@ class Pair:
         out.mkdir(parents=True)
         for log in ("prefill.log", "decode.log", "router.log"):
             text = (self.workdir / log).read_text(errors="replace")
-            assert KEY not in text, f"{log}: the router key reached a log"
+            assert not any(k in text for k in (KEY, ROUTER_INTERNAL_KEY, ENGINE_KEY)), f"{log}: a key reached a log"
             (out / log).write_text(text)
         (out / "client.txt").write_text("\n".join(self.client_lines) + "\n")
         return out
@@ -112,9 +114,9 @@ class Pair:
 
 def key_mismatch(pair: Callable[..., Pair]) -> Pair:
     """Engines started with their own API key (VLLM_API_KEY) ≠ the router's PD_INTERNAL_KEY."""
-    os.environ["PD_INTERNAL_KEY"] = "router-internal-key-1"
+    os.environ["PD_INTERNAL_KEY"] = ROUTER_INTERNAL_KEY
     try:
-        p = pair(env={"VLLM_API_KEY": "engine-key-2"})
+        p = pair(env={"VLLM_API_KEY": ENGINE_KEY})
     finally:
         del os.environ["PD_INTERNAL_KEY"]
     p.send_each("rec-key")
