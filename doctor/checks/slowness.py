@@ -63,6 +63,10 @@ def check(ctx: Context) -> list[Finding]:
         per_request = sum(prompt) / len(prompt) if prompt else None
         holds = (f" — its KV holds {capacity:,} tokens, about {capacity / per_request:.0f} request(s) of "
                  f"{per_request:.0f} tokens" if capacity and per_request else "")
+        other = "prefill" if service == "decode" else "decode"
+        other_runs = engine_facts.starts(ctx).get(other, [])
+        if holds and other_runs and other_runs[-1].kv_tokens:
+            holds += f" ({other}'s: {other_runs[-1].kv_tokens:,})"
         kv_bound = kv_waits is not None
         cause = (f"{service} ran out of KV blocks: up to {waiting} request(s) waited ({detail}){holds}. Requests queue "
                  f"on {service} until running ones free their blocks." if kv_bound else

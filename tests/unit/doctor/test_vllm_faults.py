@@ -104,7 +104,7 @@ def test_too_little_decode_kv_is_a_slowness_diagnosis_not_healthy():
     f = by_id(findings, "slow.decode_kv_capacity")
     assert [x.id for x in findings] == ["slow.decode_kv_capacity"] and f.severity == "warning"
     assert "P99 TTFT" in f.title and "> SLO 2 s" in f.title and "7 KV fetches not started" in f.title
-    assert "KV holds 2,304 tokens, about 2 request(s)" in f.cause
+    assert "KV holds 2,304 tokens, about 2 request(s)" in f.cause and "(prefill's: " in f.cause
     lines = [e.line for e in f.evidence if e.service == "decode"]
     assert any("KV cache size: 2,304 tokens" in line for line in lines)
     assert any("Waiting: 7 reqs, KV fetch: 7 waiting to start" in line for line in lines)
