@@ -95,7 +95,12 @@ def status_failure(backend: Backend, status: int, error: EngineError) -> LegFail
     the failure keeps the engine's code either way (`blames_decode` reads it)."""
     message, name = error.message, _role_name(backend)
     client_errors: dict[int, type[APIError]] = {400: InvalidRequest, 404: NotFound, 413: PayloadTooLarge, 422: InvalidRequest}
-    if status in client_errors:
+    if status in (401, 403):
+        # The engine refused the router's own key, not the client's: a deployment fault the client cannot fix (502).
+        api_error = UpstreamError(f"{name} refused the router's internal key (HTTP {status}: {message}): the router's "
+                                  "PD_INTERNAL_KEY does not match the engine's key (VLLM_API_KEY for vLLM)",
+                                  code="internal_key_rejected")
+    elif status in client_errors:
         api_error: APIError = client_errors[status](message, code=error.code or "upstream_rejected", param=error.param)
     elif 400 <= status < 500 and status != 429:
         api_error = InvalidRequest(message, code=error.code or f"upstream_{status}", param=error.param)
