@@ -57,6 +57,15 @@ class LegFailed(Exception):
             return True
         return bool(self.code) and self.code.startswith("kv_") and self.code not in ("kv_not_a_producer", "kv_prompt_mismatch")
 
+    def after_prefill(self, decode: Backend) -> LegFailed:
+        """A decode leg that refused as a client error what the prefill engine already accepted: the request is the
+        same, so the engines disagree (max_model_len, tokenizer, model) — a deployment fault, a 502, not the client's."""
+        if not isinstance(self.error, (InvalidRequest, NotFound, PayloadTooLarge)):
+            return self
+        error = UpstreamError(f"decode engine {decode.url} refused a request the prefill engine accepted (HTTP {self.status}: "
+                              f"{self.error.message}): prefill and decode disagree; compare their max_model_len, tokenizer and "
+                              "model (python -m doctor check)", code="decode_rejected_after_prefill")
+        return LegFailed(error, retryable=False, status=self.status, code=self.code)
 
 
 def _role_name(backend: Backend) -> str:
