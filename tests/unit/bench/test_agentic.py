@@ -93,3 +93,16 @@ def test_cache_summary_reads_what_a_run_added_to_the_routers_counters() -> None:
     assert summary["affinity_decisions"] == {"session": 1, "imbalanced": 1}
     table = report.cache_table({"colocated-x2:cache": {"router_cache": summary}, "colocated": {}})
     assert "| colocated-x2:cache | 2000 | 900 | 45 % | imbalanced 1, session 1 |" in table and "| colocated | – | – | – | – |" in table
+
+
+def test_claude_code_profile_sends_its_system_prompt_and_tool_list_sizes() -> None:
+    """--agentic-profile claude-code: every request opens with a ~27k-character system prompt and 14 tools, whatever
+    --agentic-system-len / --agentic-tools said."""
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(["--dataset-name", "agentic", "--agentic-profile", "claude-code", "--agentic-tools", "2"])
+    assert serve.check_args(args) == []
+    workload = agentic.build_workload(serve.agentic_shape(args), np.random.default_rng(0))
+    assert len(workload.system) == 27000 and len(workload.tools) == 14
+    body = workload.payload("m", workload.sessions[0], 0)
+    assert body["messages"][0]["content"] == workload.system and len(body["tools"]) == 14
