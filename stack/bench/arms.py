@@ -103,15 +103,20 @@ def checkpoint_env(args: argparse.Namespace) -> dict[str, str]:
     engines load (`tiny-llama`: written first, with --max-model-len as its context)."""
     if args.checkpoint.startswith("dummy:"):
         return {"PD_CHECKPOINT": args.checkpoint}
+    directory = checkpoint_dir(args)
     if args.checkpoint == TINY_LLAMA:
         from stack.engine import tiny_llama  # the engine's writer: numpy and vLLM read the same files
 
-        directory = (Path(args.out) / "checkpoint" / TINY_LLAMA).resolve()
         tiny_llama.write(directory, max_len=args.max_model_len)
-    else:
-        directory = Path(args.checkpoint).resolve()
     model = f"/models/{directory.name}"
     return {"PD_CHECKPOINT_DIR": str(directory.parent), "PD_CHECKPOINT": model, "VLLM_MODEL": model}
+
+
+def checkpoint_dir(args: argparse.Namespace) -> Path:
+    """The Hugging Face checkpoint every arm serves (not for dummy models)."""
+    if args.checkpoint == TINY_LLAMA:
+        return (Path(args.out) / "checkpoint" / TINY_LLAMA).resolve()
+    return Path(args.checkpoint).resolve()
 
 
 def build_arms(args: argparse.Namespace) -> list[Arm]:

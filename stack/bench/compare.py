@@ -11,16 +11,22 @@ where their range crosses 1.0×; the goals; doctor advise's verdict at each load
 load-<engine>.png (goodput and P99s against load per arm), compare.png (latency CDFs of the first repeat at the
 common load) and every run's JSON under runs/. Arms: see stack/bench/arms.py.
 
-The full experiment, on a quiet machine (nothing else running; images built: `./pd build` and
-scripts/vllm-cpu-image.sh), ~3 h per workload:
+The full experiment, on a quiet machine (nothing else running; images built first: `./pd build` and
+scripts/vllm-cpu-image.sh), one command per engine and workload, each a few hours. Both engines serve the same
+tiny-llama checkpoint; each engine gets its own ladder because their knees are far apart:
 
-    python -m stack.bench compare --checkpoint tiny-llama --repeats 3 --order random \\
-        --stacks colocated:cache,colocated-x2:cache,colocated-chunked:cache,disaggregated:cache,disaggregated:cache@1/0,vllm:colocated,vllm:colocated-x2,vllm:disaggregated,vllm:disaggregated@0/1 \\
-        --dataset-name synthetic --synthetic-input-mean 800 --synthetic-output-mean 128 --num-prompts 60 \\
-        --sweep 0.25,0.5,1,1.5,2,3,4,6 --goodput ttft:2000 tpot:200 --out results/chat
-    python -m stack.bench compare --checkpoint tiny-llama --max-model-len 32768 --repeats 3 --order random \\
-        --stacks (as above) --dataset-name agentic --agentic-profile claude-code --agentic-turns 4 \\
-        --sweep 2,4,6,8,12,16,20,24 --goodput ttft:5000 tpot:200 --out results/agentic
+    NUMPY=colocated:cache,colocated-x2:cache,colocated-chunked:cache,disaggregated:cache,disaggregated:cache@0+1/1
+    VLLM=vllm:colocated,vllm:colocated-x2,vllm:disaggregated@1/0,vllm:disaggregated@0/1
+    CHAT="--dataset-name synthetic --synthetic-input-mean 800 --synthetic-output-mean 128 --num-prompts 60"
+    AGENT="--dataset-name agentic --agentic-profile claude-code --agentic-turns 4 --max-model-len 32768"
+    python -m stack.bench compare --checkpoint tiny-llama --repeats 3 --order random --stacks $NUMPY $CHAT \
+        --sweep 0.25,0.5,1,1.5,2,3,4,6 --goodput ttft:2000 tpot:100 --out results/numpy-chat
+    python -m stack.bench compare --checkpoint tiny-llama --repeats 3 --order random --stacks $VLLM $CHAT \
+        --sweep 1,2,4,8,12,16,24,32 --goodput ttft:2000 tpot:100 --out results/vllm-chat
+    python -m stack.bench compare --checkpoint tiny-llama --repeats 3 --order random --stacks $NUMPY $AGENT \
+        --sweep 1,2,4,6,8,12,16 --goodput ttft:10000 tpot:200 --out results/numpy-agentic
+    python -m stack.bench compare --checkpoint tiny-llama --repeats 3 --order random --stacks $VLLM $AGENT \
+        --sweep 2,4,8,12,16,24,32 --goodput ttft:10000 tpot:200 --out results/vllm-agentic
 
 `--url NAME=URL` benchmarks an already running stack instead of starting one.
 """
@@ -193,7 +199,8 @@ def conditions(args: argparse.Namespace, specs: list[Arm], command: str, orders:
         f"- Command: `{command}`",
         f"- Hardware: {hardware()}; Python {platform.python_version()}",
         f"- CPU placement: {cpus}",
-        f"- Model: {args.checkpoint} (max model len {args.max_model_len}); endpoint {args.endpoint}; workload {workload}; "
+        f"- Model: {args.checkpoint} (max model len {args.max_model_len}); lengths in {'its tokens' if args.tokenizer else 'bytes'}; "
+        f"endpoint {args.endpoint}; workload {workload}; "
         f"seed {args.seed}; burstiness {args.burstiness}; max concurrency {args.max_concurrency}",
         f"- Goodput SLOs: {slos}; knee: SLO attainment < {args.knee_attainment:.0%}, then {args.past_knee} more point(s)",
         f"- Repeats: {args.repeats}, arm order {args.order}" + (f" (seed {seed})" if args.order == "random" else "") + ": "
@@ -272,6 +279,9 @@ def main(args: argparse.Namespace) -> int:
     # The stacks need a unified key; make a throwaway one when the environment has none.
     args.api_key = args.api_key or "bench-" + secrets.token_urlsafe(16)
     specs = {arm.name: arm for arm in arms.build_arms(args)}
+    if not args.tokenizer and not args.checkpoint.startswith("dummy:"):
+        # Prompt lengths in the served model's tokens, not bytes (the dummy models' byte tokenizer counts bytes).
+        args.tokenizer = str(arms.checkpoint_dir(args) / "tokenizer.json")
     orders = repeats.arm_orders(list(specs), args.repeats, args.order, args.seed if args.order_seed is None else args.order_seed)
     guard = repeats.LoadGuard.for_host(args.max_load, args.on_high_load, args.load_wait)
     runs: list[dict] = []
