@@ -28,6 +28,7 @@ def load_chart(runs: Sequence[Mapping[str, Any]], path: Path, axis: str, title: 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4.2))
     for arm, grouped in summary.by_arm(runs).items():
@@ -38,11 +39,12 @@ def load_chart(runs: Sequence[Mapping[str, Any]], path: Path, axis: str, title: 
             line, = ax.plot(points, [s.median for s in spreads], marker="o", label=arm)
             ax.fill_between(points, [s.low for s in spreads], [s.high for s in spreads], color=line.get_color(), alpha=0.15)
     for ax, (key, ylabel, heading) in zip(axes, PANELS):
-        ax.set_xlabel(axis)
+        ax.set_xlabel(f"offered load ({axis})")
         ax.set_ylabel(ylabel)
         ax.set_title(heading)
         if key != "request_goodput":
             ax.set_yscale("log")  # tails past the knee grow by orders of magnitude
+            ax.yaxis.set_major_formatter(ScalarFormatter())  # 300, not 3×10²
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     return report.save_figure(fig, path, title)

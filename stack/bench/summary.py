@@ -76,6 +76,8 @@ def figures(runs: Sequence[Result], threshold: float, common: float | None) -> F
         at_common = [sweep.at_point(s, common) if s and common is not None else None for s in sweeps]
         out[arm] = {"goodput": [sweep.max_goodput(s, threshold) if s else None for s in sweeps],
                     "knee": [sweep.knee_point(s, threshold) if s else None for s in sweeps],
+                    # 1.0 where the ladder reached a point past the knee; 0.0 where it ended first (a lower bound)
+                    "knee_seen": [float(sweep.first_failing(s, threshold) is not None) if s else None for s in sweeps],
                     **{key: [(r or {}).get(key) for r in at_common] for key, _ in P99S}}
     return out
 
@@ -92,11 +94,19 @@ def arm_table(figs: Figures, arms: Sequence[str], unit: str) -> str:
     """Markdown: arms × {max goodput at SLO, knee load, P99 TTFT / TPOT / ITL at the common load}."""
     head = ["Arm", "Max goodput at SLO (req/s)", f"Knee ({unit})", *(label for _, label in P99S)]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    short = []
     for arm in arms:
         f = figs[arm]
-        cells = [spread.fmt(spread.spread(f["goodput"]), 3), spread.fmt(spread.spread(f["knee"]), 2),
+        seen = [x for x in f["knee_seen"] if x is not None]
+        mark = "" if all(seen) else " †"
+        if mark:
+            short.append(f"{arm} ({len(seen) - int(sum(seen))} of {len(seen)})")
+        cells = [spread.fmt(spread.spread(f["goodput"]), 3) + mark, spread.fmt(spread.spread(f["knee"]), 2) + mark,
                  *(spread.fmt(spread.spread(f[key]), 1) for key, _ in P99S)]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    if short:
+        lines += ["", f"† The ladder ended before SLO attainment fell below the threshold in some repeats ({', '.join(short)}): "
+                  "that knee and max goodput are lower bounds; extend --sweep."]
     return "\n".join(lines)
 
 

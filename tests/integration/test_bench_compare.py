@@ -37,7 +37,8 @@ def test_compare_sweeps_two_arms_over_two_repeats_and_writes_the_report(app_imag
         assert leftovers == []
     report = (tmp_path / "compare.md").read_text()
     assert "Repeats: 2, arm order alternate: 1: colocated, disaggregated; 2: disaggregated, colocated" in report
-    arm_rows = [line for line in report.split("## numpy")[1].splitlines() if line.startswith(("| colocated |", "| disaggregated |"))]
+    arm_table = report.split("## numpy")[1].split("### Ratios")[0]
+    arm_rows = [line for line in arm_table.splitlines() if line.startswith(("| colocated |", "| disaggregated |"))]
     assert len(arm_rows) == 2 and all(row.count("[") == 5 for row in arm_rows)  # median [min–max] of 2 repeats each
     runs = [json.loads(p.read_text()) for p in sorted((tmp_path / "runs").glob("*.json"))]
     assert sorted((r["repeat"], r["stack"], r["sweep_point"]) for r in runs) == sorted(

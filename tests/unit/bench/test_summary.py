@@ -48,7 +48,7 @@ def test_arm_table_gives_median_and_range_per_figure() -> None:
     figs = summary.figures(runs, 0.9, 2.0)
     table = rows(summary.arm_table(figs, ["colocated", "colocated-x2", "disaggregated"], "req/s"))
     assert table["colocated"] == "| colocated | 2.000 [2.000–2.000] | 2.00 [2.00–2.00] | 300.0 [300.0–300.0] | 40.0 [40.0–40.0] | 40.0 [40.0–40.0] |"
-    assert table["disaggregated"].startswith("| disaggregated | 4.100 [3.800–4.200] | 4.00 [4.00–4.00] | 50.0 [40.0–60.0] |")
+    assert table["disaggregated"].startswith("| disaggregated | 4.100 [3.800–4.200] † | 4.00 [4.00–4.00] † | 50.0 [40.0–60.0] |")
     assert summary.best_colocated(figs, list(figs)) == "colocated-x2"
 
 
@@ -83,3 +83,14 @@ def test_sections_are_per_engine() -> None:
     assert "Goals for vllm:disaggregated against vllm:colocated-x2:" in text
     assert summary.engine_section(runs, "numpy", 0.9, "req/s") == []
     assert summary.shape_of("vllm:colocated-x2:cache@0/1") == "colocated-x2" and summary.engine_of("colocated") == "numpy"
+
+
+def test_an_arm_whose_ladder_ended_before_its_knee_is_marked_a_lower_bound() -> None:
+    """colocated-x2 met its SLOs at every point in every repeat: its knee and max goodput carry † and the note says
+    in how many repeats; colocated, which failed at 4, carries none."""
+    figs = summary.figures(experiment(), 0.9, 2.0)
+    table = summary.arm_table(figs, ["colocated", "colocated-x2"], "req/s")
+    lines = rows(table)
+    assert lines["colocated-x2"].startswith("| colocated-x2 | 4.000 [4.000–4.000] † | 4.00 [4.00–4.00] † |")
+    assert "†" not in lines["colocated"]
+    assert "(colocated-x2 (3 of 3)): that knee and max goodput are lower bounds; extend --sweep." in table
