@@ -108,6 +108,9 @@ def checkpoint_env(args: argparse.Namespace) -> dict[str, str]:
         from stack.engine import tiny_llama  # the engine's writer: numpy and vLLM read the same files
 
         tiny_llama.write(directory, max_len=args.max_model_len)
+        # The engines run as unprivileged users in their containers; safetensors writes its file owner-only.
+        for path in (directory, *directory.iterdir()):
+            path.chmod(0o755 if path.is_dir() else 0o644)
     model = f"/models/{directory.name}"
     return {"PD_CHECKPOINT_DIR": str(directory.parent), "PD_CHECKPOINT": model, "VLLM_MODEL": model}
 

@@ -7,8 +7,8 @@ favours the later arms), so each repeat reorders them: `alternate` runs them for
 A figure taken while other work fills the cores measures the other work. Before every run the guard reads the 1-minute
 load average; above the limit (default: the number of cores) it waits for it to fall, then refuses the run
 (`refuse`: the experiment stops) or runs it marked as flagged (`flag`: the report shows which figures are suspect).
-The wait also lets the load of the arm's own start-up and of its previous load point decay (a 1-minute average falls
-by e·fold a minute), so every run starts from a quiet host.
+The wait also lets the load of the arm's own start-up and of its previous load point decay (a 1-minute average falls by
+a factor e a minute), so every run starts from a quiet host.
 """
 
 from __future__ import annotations

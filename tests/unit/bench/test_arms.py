@@ -45,7 +45,10 @@ def test_placement_splits_the_cores_per_arm(tmp_path) -> None:
     assert (vx2.env["DECODE_CPUS"], vx2.replica_cpus) == ("0", "1")
     # One checkpoint for every arm: written once, mounted at /models, named to both engines.
     assert shared.env["PD_CHECKPOINT"] == vpd.env["VLLM_MODEL"] == "/models/tiny-llama"
-    assert json.loads((tmp_path / "checkpoint" / "tiny-llama" / "config.json").read_text())["max_position_embeddings"] == 2048
+    written = tmp_path / "checkpoint" / "tiny-llama"
+    assert json.loads((written / "config.json").read_text())["max_position_embeddings"] == 2048
+    # Readable by the containers' unprivileged users (vLLM runs as `vllm`): safetensors writes its file owner-only.
+    assert all(p.stat().st_mode & 0o004 for p in written.iterdir())
 
 
 def test_vllm_arms_need_a_checkpoint_both_engines_serve(tmp_path) -> None:
