@@ -15,26 +15,30 @@ pytestmark = pytest.mark.integration
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def test_compare_sweeps_two_arms_over_two_repeats_and_writes_the_report(app_image: None, tmp_path) -> None:
-    """Two repeats in alternating order: each arm's stack comes up, answers, climbs two load points, goes down; the
-    report gives median [min–max] per arm, the host's load before and after every run, the chart and every run's JSON."""
-    prefix = f"pdtest-bench-{secrets.token_hex(3)}"
-    argv = [sys.executable, "-m", "stack.bench", "compare", "--stacks", "colocated,disaggregated", "--repeats", "2",
-            "--sweep", "2,4", "--num-prompts", "4", "--synthetic-input-mean", "120", "--synthetic-output-mean", "8",
-            "--goodput", "tpot:60000", "--warmup", "1", "--checkpoint", "dummy:tiny", "--project-prefix", prefix,
-            # This shared test host is loaded; the guard's refusal is unit-tested, here the runs are flagged instead.
-            "--on-high-load", "flag", "--load-wait", "0", "--out", str(tmp_path), "--disable-tqdm"]
+def run_compare(args: list[str], prefix: str, timeout_s: float) -> None:
+    """`python -m stack.bench compare ARGS` with its own project prefix and key, runs flagged (not refused) on this
+    loaded test host (the guard's refusal is unit-tested); every project it started is gone afterwards, also when it
+    failed."""
+    argv = [sys.executable, "-m", "stack.bench", "compare", *args, "--project-prefix", prefix,
+            "--on-high-load", "flag", "--load-wait", "0", "--disable-tqdm"]
     env = {**os.environ, "TAOTOKEN_API_KEY": "sk-bench-" + secrets.token_hex(8)}
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     finally:
-        # Every project was taken down again, also when the run failed.
         ps = subprocess.run(["docker", "ps", "-aq", "--filter", f"name={prefix}"], capture_output=True, text=True, timeout=30)
         leftovers = ps.stdout.split()
         if leftovers:
             subprocess.run(["docker", "rm", "-f", *leftovers], capture_output=True, timeout=120)
         assert leftovers == []
+
+
+def test_compare_sweeps_two_arms_over_two_repeats_and_writes_the_report(app_image: None, tmp_path) -> None:
+    """Two repeats in alternating order: each arm's stack comes up, answers, climbs two load points, goes down; the
+    report gives median [min–max] per arm, the host's load before and after every run, the chart and every run's JSON."""
+    run_compare(["--stacks", "colocated,disaggregated", "--repeats", "2", "--sweep", "2,4", "--num-prompts", "4",
+                 "--synthetic-input-mean", "120", "--synthetic-output-mean", "8", "--goodput", "tpot:60000", "--warmup", "1",
+                 "--checkpoint", "dummy:tiny", "--out", str(tmp_path)], f"pdtest-bench-{secrets.token_hex(3)}", timeout_s=600)
     report = (tmp_path / "compare.md").read_text()
     assert "Repeats: 2, arm order alternate: 1: colocated, disaggregated; 2: disaggregated, colocated" in report
     arm_table = report.split("## numpy")[1].split("### Ratios")[0]

@@ -8,14 +8,13 @@ Opt-in like the overlay's own test (pyproject.toml says why: the 6.9 GB image, t
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import subprocess
-import sys
 
 import pytest
 
 from tests.integration.compose_stack import REPO
+from tests.integration.test_bench_compare import run_compare
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.vllm_overlay]
 
@@ -24,21 +23,10 @@ def test_vllm_arms_start_answer_and_are_measured(app_image: None, tmp_path) -> N
     """vllm:colocated then vllm:disaggregated, one repeat of two requests each: both stacks answer every request,
     the report has a vLLM section, and both projects are gone afterwards."""
     subprocess.run([str(REPO / "scripts" / "vllm-cpu-image.sh")], check=True, cwd=REPO, stdout=subprocess.DEVNULL, timeout=3600)
-    prefix = f"pdtest-benchv-{secrets.token_hex(3)}"
-    argv = [sys.executable, "-m", "stack.bench", "compare", "--stacks", "vllm:colocated,vllm:disaggregated@1/0",
-            "--checkpoint", "tiny-llama", "--repeats", "1", "--num-prompts", "2", "--request-rate", "1",
-            "--synthetic-input-mean", "120", "--synthetic-output-mean", "8", "--goodput", "tpot:60000", "--warmup", "0",
-            "--project-prefix", prefix, "--on-high-load", "flag", "--load-wait", "0", "--out", str(tmp_path), "--disable-tqdm"]
-    env = {**os.environ, "TAOTOKEN_API_KEY": "sk-bench-" + secrets.token_hex(8)}
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, env=env)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    finally:
-        ps = subprocess.run(["docker", "ps", "-aq", "--filter", f"name={prefix}"], capture_output=True, text=True, timeout=30)
-        leftovers = ps.stdout.split()
-        if leftovers:
-            subprocess.run(["docker", "rm", "-f", *leftovers], capture_output=True, timeout=120)
-        assert leftovers == []
+    run_compare(["--stacks", "vllm:colocated,vllm:disaggregated@1/0", "--checkpoint", "tiny-llama", "--repeats", "1",
+                 "--num-prompts", "2", "--request-rate", "1", "--synthetic-input-mean", "120", "--synthetic-output-mean", "8",
+                 "--goodput", "tpot:60000", "--warmup", "0", "--out", str(tmp_path)],
+                f"pdtest-benchv-{secrets.token_hex(3)}", timeout_s=1800)
     runs = {r["stack"]: r for r in (json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*.json"))}
     assert set(runs) == {"vllm:colocated", "vllm:disaggregated@1/0"}
     assert all((r["completed"], r["failed"]) == (2, 0) for r in runs.values()), {k: r["errors"] for k, r in runs.items()}
