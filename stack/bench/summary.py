@@ -78,7 +78,8 @@ def figures(runs: Sequence[Result], threshold: float, common: float | None) -> F
                     "knee": [sweep.knee_point(s, threshold) if s else None for s in sweeps],
                     # 1.0 where the ladder reached a point past the knee; 0.0 where it ended first (a lower bound)
                     "knee_seen": [float(sweep.first_failing(s, threshold) is not None) if s else None for s in sweeps],
-                    **{key: [(r or {}).get(key) for r in at_common] for key, _ in P99S}}
+                    # A run that completed nothing has no latencies (vLLM's summary reports 0 ms for them).
+                    **{key: [r.get(key) if r and r.get("completed") else None for r in at_common] for key, _ in P99S}}
     return out
 
 
@@ -148,7 +149,9 @@ def winner(runs_at: Mapping[str, Sequence[float | None]]) -> str:
         return "–"
     if len(ranked) == 1:
         return ranked[0][1]
-    (_, first), (_, second) = ranked[0], ranked[1]
+    (first_spread, first), (second_spread, second) = ranked[0], ranked[1]
+    if second_spread.high == 0 < first_spread.low:
+        return first  # the runner-up met no SLO at this load in any repeat: no ratio, but no doubt either
     paired = spread.spread(spread.ratios(runs_at[first], runs_at[second]))
     if paired is None or (paired.n > 1 and paired.crosses(1.0)) or paired.median == 1.0:
         return f"no difference ({first} ≈ {second})"

@@ -11,6 +11,7 @@ POINTS = (1.0, 2.0, 4.0)
 def run(arm: str, repeat: int, point: float, attained: float, goodput: float, ttft: float = 100.0, itl: float = 40.0,
         verdict: str = "balanced") -> dict:
     return {"stack": arm, "repeat": repeat, "sweep_point": point, "slo_attainment": attained, "request_goodput": goodput,
+            "completed": 4,
             "p99_ttft_ms": ttft, "p99_tpot_ms": itl, "p99_itl_ms": itl, "advise": {"verdict": verdict}}
 
 
@@ -94,3 +95,15 @@ def test_an_arm_whose_ladder_ended_before_its_knee_is_marked_a_lower_bound() -> 
     assert lines["colocated-x2"].startswith("| colocated-x2 | 4.000 [4.000–4.000] † | 4.00 [4.00–4.00] † |")
     assert "†" not in lines["colocated"]
     assert "(colocated-x2 (3 of 3)): that knee and max goodput are lower bounds; extend --sweep." in table
+
+
+def test_an_arm_that_completed_nothing_has_no_latencies_and_loses() -> None:
+    """Every request of PD failed at the common load: its P99s are "–" (not vLLM's 0 ms, which would read as a 0.00×
+    win), its goals are not measured, and the arm that served is the winner there."""
+    runs = [run("colocated", r, 1, 1.0, 0.97) for r in range(2)]
+    runs += [{**run("disaggregated", r, 1, 0.0, 0.0, ttft=0.0, itl=0.0), "completed": 0} for r in range(2)]
+    arms = ["colocated", "disaggregated"]
+    figs = summary.figures(runs, 0.9, 1.0)
+    assert rows(summary.arm_table(figs, arms, "req/s"))["disaggregated"].endswith("| – | – | – |")
+    assert summary.goal_lines(figs, "colocated", "disaggregated")[:2] == ["- TTFT P99: not measured", "- ITL P99: not measured"]
+    assert rows(summary.advice_table(runs, arms, "req/s"))["1"].startswith("| 1 | colocated |")
