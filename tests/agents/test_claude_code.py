@@ -71,7 +71,7 @@ def _figures(run: Run, lines: list[dict[str, Any]]) -> dict[str, Any]:
 def _check_turn(stack: Stack, run: Run, lines: list[dict[str, Any]], model: str | None) -> None:
     result = run.result
     assert run.returncode == 0 and result.get("is_error") is False and result.get("subtype") == "success", \
-        (run.returncode, result, run.stderr[-2000:], [line for line in lines if line.get("level") in ("WARNING", "ERROR")][-5:])
+        (run.returncode, result, run.stderr[-2000:], [(line.get("event"), line.get("msg")) for line in lines if line.get("level") in ("WARNING", "ERROR")][-5:])
     received = [line for line in lines if line.get("event") == "router.request_received"]
     done = [line for line in lines if line.get("event") == "router.request_done"]
     assert received and len(done) == len(received), (received, done)
