@@ -17,7 +17,7 @@ from openai.types.chat import ChatCompletion
 from stack.engine.checkpoint import DUMMY_CONFIGS, dummy_weights
 from stack.engine.model import Model
 from stack.engine.server import warm_up
-from stack.engine.tokenizer import ByteTokenizer
+from stack.engine.tokenizer import dummy_tokenizer
 from stack.engine.weights import fingerprint
 from stack.protocol.capabilities import Capabilities
 
@@ -33,10 +33,10 @@ MESSAGES = [{"role": "user", "content": "what is the weather?"}]
 
 @pytest.fixture(scope="session")
 def tiny_long() -> Model:
-    """dummy:tiny's weights with a 4096-token window: room for the Hermes tools system prompt (~800 tokens)."""
+    """dummy:tiny's weights with a 4096-token window: room for the Hermes tools system prompt."""
     config = replace(DUMMY_CONFIGS["tiny"], max_seq_len=4096)
     weights = dummy_weights(config, 0)
-    return Model("dummy:tiny", config, weights, ByteTokenizer(), fingerprint(config, weights))
+    return Model("dummy:tiny", config, weights, dummy_tokenizer(), fingerprint(config, weights))
 
 
 @pytest.fixture
@@ -57,11 +57,9 @@ async def test_health_reports_every_capability(sdk) -> None:
 
 
 def test_dummy_small_context_fits_a_coding_agent() -> None:
-    """dummy:small (the stacks' default) takes 32768 tokens; its KV is 16 KiB per token (512 MiB per full window)."""
-    from stack.engine.checkpoint import DUMMY_CONFIGS
-
+    """dummy:small (the stacks' default) takes 65536 tokens; its KV is 16 KiB per token (1 GiB per full window)."""
     small = DUMMY_CONFIGS["small"]
-    assert small.max_seq_len == 32768 and small.kv_bytes_per_token * small.max_seq_len == 512 * 2**20
+    assert small.max_seq_len == 65536 and small.kv_bytes_per_token * small.max_seq_len == 2**30
 
 
 @pytest.mark.parametrize("stream", [False, True])
