@@ -36,8 +36,8 @@ from stack.router.limits import Limiter
 from stack.router.limits_redis import RedisCounters
 from stack.router.metrics import Metrics
 from stack.router.p2pnccl import Registry
+from stack.router.fleet import Fleet
 from stack.router.pd import PDClient
-from stack.router.scheduler import worst_case_s
 from stack.router.upstream import new_session
 from stack.router.usage import UsageStore
 
@@ -218,25 +218,23 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     writer = asyncio.create_task(_write_usage(app[USAGE], config.usage), name="usage-writer")
     # One tuned session (no connection cap, no total timeout: the PD client sets per-leg timeouts).
-    bounds = worst_case_s(config.scheduler)
-    log_event(events.ROUTER_BOUNDS, f"a request ends within {bounds['first_byte_s']:g}s to its first byte, "
-              f"{bounds['non_streamed_s']:g}s non-streamed, {bounds['stream_s']:g}s streamed", worst_case_s=bounds)
     async with new_session(app[INTERNAL_KEY] or None) as session:
         registry = app.get(REGISTRY)
-        pd = PDClient(config, session, app[METRICS])
+        fleet = Fleet(config, session, app[METRICS])
+        pd = PDClient(fleet, app[METRICS])
         app[PD] = pd
         try:
             await app[LIMITER].counters.start()
-            await pd.start()
+            await fleet.start()
             if registry is not None:
-                registry.start(pd.monitor.join, pd.monitor.leave)
+                registry.start(fleet.monitor.join, fleet.monitor.leave)
             yield
         finally:
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
             if registry is not None:
                 await registry.close()
-            await pd.close()
+            await fleet.close()
             await app[LIMITER].counters.close()
             app[USAGE].close()  # writes what is still queued
 

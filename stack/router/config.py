@@ -32,10 +32,10 @@ from urllib.parse import urlsplit
 
 from stack.common.config import ConfigError, build, check, read_file
 from stack.router.backends import PoolConfig, check_topology
+from stack.router.handoff import KV_CONNECTORS
 from stack.router.p2pnccl import P2pNcclConfig
 from stack.router.scheduler import SchedulerConfig
 
-_KV_CONNECTORS = ("pd-push", "nixl", "p2pnccl")
 _NOT_SETTINGS = ("source", "kv_transfer_port")  # RouterConfig fields load() fills in
 
 # Key names whose values would be secrets, and value shapes that are keys whatever the name.
@@ -225,8 +225,8 @@ def _with_env_overrides(data: dict[str, Any], env: Mapping[str, str], file: str)
                 section["endpoints"] = [e.strip() for e in endpoints_text.split(",") if e.strip()]
     connector = env.get("KV_CONNECTOR", "").strip()
     if connector:  # the GPU overlays' vLLM engines hand KV over their own way
-        if connector not in _KV_CONNECTORS:
-            raise ConfigError("environment", "KV_CONNECTOR", f"must be one of {', '.join(_KV_CONNECTORS)}, got {connector!r}")
+        if connector not in KV_CONNECTORS:
+            raise ConfigError("environment", "KV_CONNECTOR", f"must be one of {', '.join(KV_CONNECTORS)}, got {connector!r}")
         section = data.setdefault("scheduler", {})
         if isinstance(section, dict):
             section["kv_connector"] = connector

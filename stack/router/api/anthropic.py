@@ -24,12 +24,13 @@ from aiohttp import web
 
 from stack.common.errors import REQUEST_ID
 from stack.protocol.fields import Fields
+from stack.protocol.types import Request
 from stack.router.api.anthropic_request import parse_messages_request
 from stack.router.api.anthropic_response import EventRelay, anthropic_error_body, message_body
 from stack.router.api.common import capabilities, charge, engine_body, read_json, received, relay
 from stack.router.api.openai import CHAT_PATH
 from stack.router.appkeys import PD
-from stack.router.pd import estimate_prompt_tokens
+from stack.router.job import estimate_prompt_tokens
 
 __all__ = ["anthropic_error_body", "count_tokens", "messages"]  # what the app wires (anthropic_error_body: its error shape)
 
@@ -84,15 +85,15 @@ async def messages(request: web.Request) -> web.StreamResponse:
         # The prompt count for message_start: asked in parallel with the prefill leg, unless the clamp asked already.
         count = asyncio.ensure_future(_tokenize(request, upstream) if counted is None else _known(counted))
         events = EventRelay(message_id, req.model, req.sampling.stop, clamped)
-        chunks = pd.stream(request[REQUEST_ID], CHAT_PATH, upstream, request.headers)
-        return await relay(request, _counted(chunks, count, events, upstream), events)
-    result = await pd.complete(request[REQUEST_ID], CHAT_PATH, upstream, request.headers)
+        chunks = pd.stream(request[REQUEST_ID], CHAT_PATH, req, upstream, request.headers)
+        return await relay(request, _counted(chunks, count, events, req), events)
+    result = await pd.complete(request[REQUEST_ID], CHAT_PATH, req, upstream, request.headers)
     charge(request, result.get("usage") or {})
     return web.json_response(message_body(result, message_id, req.model, req.sampling.stop, clamped))
 
 
 async def _counted(batches: AsyncIterator[list[dict[str, Any]]], count: asyncio.Future[dict[str, Any] | None],
-                   events: EventRelay, upstream: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
+                   events: EventRelay, req: Request) -> AsyncIterator[list[dict[str, Any]]]:
     """`batches`, with the engine's prompt count handed to `events` before the first (message_start carries it)."""
     try:
         first = True
@@ -101,7 +102,7 @@ async def _counted(batches: AsyncIterator[list[dict[str, Any]]], count: asyncio.
                 first = False
                 answer = await count
                 counted = (answer or {}).get("count")
-                events.input_tokens = counted if isinstance(counted, int) else estimate_prompt_tokens(upstream)
+                events.input_tokens = counted if isinstance(counted, int) else estimate_prompt_tokens(req)
             yield batch
     finally:
         count.cancel()
@@ -111,7 +112,7 @@ async def _counted(batches: AsyncIterator[list[dict[str, Any]]], count: asyncio.
 async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens: the engines' own count (their /tokenize, as the messages request would be
     prompted, tools included), or the router's estimate (~4 characters a token) when no engine can say."""
-    upstream = engine_body(request, parse_messages_request(await read_json(request), None, capabilities(request)), "messages")
-    answer = await _tokenize(request, upstream)
+    req = parse_messages_request(await read_json(request), None, capabilities(request))
+    answer = await _tokenize(request, engine_body(request, req, "messages"))
     counted = (answer or {}).get("count")
-    return web.json_response({"input_tokens": counted if isinstance(counted, int) else estimate_prompt_tokens(upstream)})
+    return web.json_response({"input_tokens": counted if isinstance(counted, int) else estimate_prompt_tokens(req)})
