@@ -79,7 +79,10 @@ def run_claude(binary: Path, prompt: str, base_url: str, key: str, workdir: Path
     home.mkdir(parents=True, exist_ok=True)
     project.mkdir(parents=True, exist_ok=True)
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "ANTHROPIC_BASE_URL": base_url,
-           "ANTHROPIC_API_KEY": key, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_OUTPUT_TOKENS), **QUIET}
+           "ANTHROPIC_API_KEY": key, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_OUTPUT_TOKENS), **QUIET,
+           # A failed request fails the turn at once: the tests assert every request is a 200, and the CLI's own
+           # retries (10, with backoff) would only hide the failure behind minutes of resent long prompts.
+           "CLAUDE_CODE_MAX_RETRIES": "0"}
     if model is not None:
         # ANTHROPIC_SMALL_FAST_MODEL is the older name of ANTHROPIC_DEFAULT_HAIKU_MODEL; the CLI reads either.
         env |= {"ANTHROPIC_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model}
