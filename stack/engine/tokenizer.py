@@ -167,8 +167,20 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def to_json(self) -> str:
-        """The tokenizer.json text (what llguidance builds its token trie from)."""
-        return self._tok.to_str()
+        """The tokenizer.json text llguidance builds its token trie from.
+
+        llguidance takes every added token for a special one, which no grammar literal can produce:
+        a forced tool call's `"<tool_call>"` would then allow that token and break on it. Non-special
+        added tokens (Qwen2.5's and the dummy models' tool tags) are text, so they go to it as ordinary
+        vocabulary; only printable ASCII ones, whose byte-level spelling is themselves.
+        """
+        data = json.loads(self._tok.to_str())
+        vocab = data.get("model", {}).get("vocab")
+        if isinstance(vocab, dict):
+            text = [a for a in data.get("added_tokens", []) if not a.get("special") and re.fullmatch(r"[!-~]+", a["content"])]
+            vocab.update({a["content"]: a["id"] for a in text})
+            data["added_tokens"] = [a for a in data.get("added_tokens", []) if a not in text]
+        return json.dumps(data)
 
 
 def build_dummy_bpe(corpus: Iterable[str], vocab_size: int) -> Any:

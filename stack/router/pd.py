@@ -115,14 +115,19 @@ class PDClient:
         try:
             async with asyncio.timeout(deadline_s):
                 return await self._run(job, tried)
-        except TimeoutError:
-            log_event(events.ROUTER_DEADLINE_EXCEEDED, f"no answer within the request deadline ({deadline_s:g}s); legs closed", "WARNING",
-                      request_id=job.request_id, deadline_ms=round(deadline_s * 1000), prompt_tokens=job.budgets.tokens, stream=job.stream)
-            raise UpstreamTimeout(f"no answer within the router's request deadline ({deadline_s:g}s); retry shortly",
-                                  code="deadline_exceeded", headers={"Retry-After": "1"}) from None
-        except asyncio.CancelledError:
-            log_event(events.ROUTER_CLIENT_DISCONNECTED, "client went away before the first byte; upstream legs cancelled", "WARNING",
-                      request_id=job.request_id, decode=tried.held.url if tried.held else None, chunks_relayed=0)
+        except BaseException as exc:
+            decode = tried.held
+            if decode is not None:
+                self.pairing.release_decode(tried)
+            if isinstance(exc, TimeoutError):
+                log_event(events.ROUTER_DEADLINE_EXCEEDED, f"no answer within the request deadline ({deadline_s:g}s); legs closed",
+                          "WARNING", request_id=job.request_id, deadline_ms=round(deadline_s * 1000), prompt_tokens=job.budgets.tokens,
+                          stream=job.stream)
+                raise UpstreamTimeout(f"no answer within the router's request deadline ({deadline_s:g}s); retry shortly",
+                                      code="deadline_exceeded", headers={"Retry-After": "1"}) from None
+            if isinstance(exc, asyncio.CancelledError):
+                log_event(events.ROUTER_CLIENT_DISCONNECTED, "client went away before the first byte; upstream legs cancelled",
+                          "WARNING", request_id=job.request_id, decode=decode.url if decode else None, chunks_relayed=0)
             raise
 
     async def _run(self, job: Job, tried: Tried) -> Leg:
@@ -152,10 +157,6 @@ class PDClient:
                     self._decode_failed(job, pair.decode, failure, mid_stream=False, retried=retried)
                 if not retried:
                     raise failure.error from None
-            except BaseException:
-                if tried.held is not None:
-                    self.pairing.release_decode(tried)
-                raise
 
     async def _prefill(self, job: Job, pair: Pair) -> Handed:
         """2. The prefill leg: what decode gets, or the finished answer when the prefill's one token ended it."""

@@ -128,7 +128,8 @@ async def test_decode_times_out_and_recomputes_under_policy_recompute(engine_cli
 
 
 async def test_unreachable_decode_is_a_connect_failure_naming_the_address(engine_client, logs: Logs) -> None:
-    """Nothing listens at decode_kv_addr: prefill answers 502 kv_connect_failed naming the address."""
+    """Nothing listens at decode_kv_addr: prefill answers 502 kv_connect_failed naming the address, and stops the prefill
+    (its cache is freed by the next step)."""
     prefill = await engine_client("prefill")
     dead = f"127.0.0.1:{free_port()}"
     status, body = await push(prefill, chat(), "t-dead", dead)
@@ -137,7 +138,8 @@ async def test_unreachable_decode_is_a_connect_failure_naming_the_address(engine
     assert dead in body["error"]["message"] and "refused" in body["error"]["message"].lower()
     line = logs.one("kv_producer.connect_failed")
     assert line["decode_kv_addr"] == dead and "Refused" in line["error"]
-    assert prefill.engine.scheduler.pool.reclaimable_blocks == prefill.engine.scheduler.pool.total_blocks
+    pool = prefill.engine.scheduler.pool
+    await wait_until(lambda: pool.reclaimable_blocks == pool.total_blocks)
 
 
 async def test_unclaimed_kv_is_freed_when_its_lease_expires(engine_client, logs: Logs) -> None:
