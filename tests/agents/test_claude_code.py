@@ -68,10 +68,16 @@ def _figures(run: Run, lines: list[dict[str, Any]]) -> dict[str, Any]:
             "cli_ttft_ms": run.result.get("ttft_ms"), "duration_ms": run.result.get("duration_ms")}
 
 
+def _problems(stack: Stack, router_lines: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """The warnings and errors of every hop (the router's of this turn), for a failure's message."""
+    lines = [("router", line) for line in router_lines] + [(service, line) for service in ("prefill", "decode") for line in stack.events(service)]
+    return [(service, line.get("event", ""), line.get("msg", "")) for service, line in lines if line.get("level") in ("WARNING", "ERROR")][-8:]
+
+
 def _check_turn(stack: Stack, run: Run, lines: list[dict[str, Any]], model: str | None) -> None:
     result = run.result
     assert run.returncode == 0 and result.get("is_error") is False and result.get("subtype") == "success", \
-        (run.returncode, result, run.stderr[-2000:], [(line.get("event"), line.get("msg")) for line in lines if line.get("level") in ("WARNING", "ERROR")][-5:])
+        (run.returncode, result, run.stderr[-2000:], _problems(stack, lines))
     received = [line for line in lines if line.get("event") == "router.request_received"]
     done = [line for line in lines if line.get("event") == "router.request_done"]
     assert received and len(done) == len(received), (received, done)
