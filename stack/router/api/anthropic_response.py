@@ -24,6 +24,7 @@ from typing import Any
 
 from stack.common import sse
 from stack.common.errors import APIError
+from stack.router.api.common import deltas
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
@@ -138,9 +139,7 @@ class EventRelay:
         frames = [] if self.started else self._start()
         if chunk.get("usage"):
             self.usage = chunk["usage"]
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            text = delta.get("content")
+        for choice, delta, text in deltas(chunk):
             if text and self.hold:  # hold back what may be the stop string, until the end says
                 self.held += text
                 text, self.held = self.held[: -self.hold], self.held[-self.hold:]

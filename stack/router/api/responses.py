@@ -52,7 +52,7 @@ from stack.protocol.messages import CHAT_ROLES, text_content
 from stack.protocol.parse import parse
 from stack.protocol.tools import function_tools
 from stack.protocol.types import Request
-from stack.router.api.common import capabilities, charge, engine_body, read_json, received, relay
+from stack.router.api.common import capabilities, charge, deltas, engine_body, read_json, received, relay
 from stack.router.api.openai import CHAT_PATH
 from stack.router.appkeys import PD
 
@@ -280,9 +280,7 @@ class _EventRelay:
         frames = [] if self.started else self._start()
         if chunk.get("usage"):
             self.usage = chunk["usage"]
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            text = delta.get("content")
+        for choice, delta, text in deltas(chunk):
             if text:
                 if self.open is None or self.open["kind"] != "message":
                     frames += self._open_message()
