@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from doctor.checks import (auth_401, backends, bypass, choices_parse, client_view, config_mismatch, engine_config, healthy,
-                           internal_key, kv_transfer, lifecycle, local_proxy, model_name, nixl_transport, oauth, p2pnccl,
-                           slowness, stalled, unexplained, upstream)
+                           internal_key, kv_transfer, lifecycle, local_proxy, long_prompt, model_name, nixl_transport, oauth,
+                           p2pnccl, slowness, stalled, unexplained, upstream)
 from doctor.findings import Context, Finding
 
 
@@ -41,6 +41,8 @@ REGISTRY: tuple[Check, ...] = (
     Check("choices", "error bodies, failed decodes, empty choices, streams without [DONE]", choices_parse.check),
     Check("kv_transfer", "KV port mismatch, unreachable KV port, buffer too small, timeouts, model mismatch",
           kv_transfer.check),
+    Check("long_prompt", "prompts over the window, KV a decode cannot hold or that stopped arriving, abandoned work",
+          long_prompt.check),
     Check("upstream", "real vLLM / NIXL / UCX / SGLang / Mooncake / NCCL failure strings", upstream.check),
     Check("nixl_transport", "how NIXL's KV moves (UCX lanes): CUDA IPC / shared memory, or a silent TCP fallback",
           nixl_transport.check),

@@ -140,7 +140,7 @@ GBPS = Field("gbps", float, 0.05, "GB/s")
 DETAIL = Field("detail", str, "KV transfer of 8192000 bytes does not fit the receive buffer", "decode's message")
 KV_PORT = Field("kv_port", int, 9100, "the port decode's KV listener is bound to")
 KV_BUFFER_SIZE = Field("kv_buffer_size", float, 8e9, "decode's KV receive buffer, bytes")
-KV_LEASE_MS = Field("kv_lease_ms", int, 30000, "unclaimed KV is freed after this")
+KV_LEASE_MS = Field("kv_lease_ms", int, 30000, "unclaimed KV is freed after this; a push silent this long is closed")
 PEER = Field("peer", str, "172.18.0.3:41822", "the remote side's address (a KV pusher, an HTTP caller)")
 RECEIVE_MS = Field("receive_ms", float, 1.2)
 WAIT_MS = Field("wait_ms", float, 0.3, "how long the decode request waited for its KV")
@@ -235,6 +235,13 @@ LOG_FIELDS_MISMATCH = Event("log.fields_mismatch", ANY,
                             "a log call's fields differ from its declaration here (once per event and problem)",
                             required=(FOR_EVENT, PROBLEM), level="WARNING")
 
+# -- long prompts (issue 19): KV capacity, stalled pushes, abandoned work ------------------------
+POOL_TOKENS = Field("pool_tokens", int, 61440, "tokens of KV a decode's whole KV pool holds")
+KV_CACHE_BYTES = Field("kv_cache_bytes", int, 1000000000, "an engine's kv_cache_bytes (its KV pool budget)")
+IDLE_MS = Field("idle_ms", int, 30000, "time since the last byte of a KV push")
+COMPUTED_TOKENS = Field("computed_tokens", int, 8192, "prompt tokens whose KV was computed before the work stopped")
+LAYERS_DONE = Field("layers_done", int, 3, "layers of the current forward done before it stopped")
+
 # -- engine: requests --------------------------------------------------------------------------
 ENGINE_REQUEST_RECEIVED = Event("engine.request_received", ENGINE, "a completion request was parsed",
                                 required=(PROMPT_TOKENS, MAX_TOKENS, STREAM, ROLE, PD_LEG, TRANSFER_ID))
@@ -249,6 +256,12 @@ ENGINE_REQUEST_CANCELLED = Event("engine.request_cancelled", ENGINE, "the client
                                  required=(KV_BLOCKS_FREED, COMPLETION_TOKENS), level="WARNING")
 ENGINE_REQUEST_REJECTED = Event("engine.request_rejected", ENGINE, "the request can never fit the KV cache",
                                 required=(PROMPT_TOKENS, MAX_TOKENS, LIMIT), level="WARNING")
+ENGINE_REQUEST_ABANDONED = Event("engine.request_abandoned", ENGINE,
+                                 "the caller (the router) closed the connection: the request is cancelled, its KV freed, its push stopped",
+                                 required=(PROMPT_TOKENS, PD_LEG, WAITED_MS), level="WARNING")
+ENGINE_PREFILL_STOPPED = Event("engine.prefill_stopped", ENGINE,
+                               "a cancelled prefill stopped between layers of its forward, not after the last one",
+                               required=(PROMPT_TOKENS, COMPUTED_TOKENS, LAYERS_DONE), level="WARNING")
 ENGINE_STEP_FAILED = Event("engine.step_failed", ENGINE, "a forward/sampling step raised (a bug); its sequences end with an error",
                            required=(SEQUENCES,), optional=(EXC,), level="ERROR")
 
@@ -261,10 +274,11 @@ KV_PRODUCER_CONNECT_FAILED = Event("kv_producer.connect_failed", PREFILL, "no TC
                                    required=(TRANSFER_ID, DECODE_KV_ADDR, ERROR), level="ERROR")
 KV_PRODUCER_REJECTED = Event(
     "kv_producer.rejected", PREFILL,
-    "decode refused the KV; reason is its code (buffer_full | fingerprint_mismatch | checksum_mismatch | "
+    "decode refused the KV; reason is its code (buffer_full | pool_too_small | fingerprint_mismatch | checksum_mismatch | "
     "duplicate_transfer | claim_expired | bad_header), with the numbers behind it",
     required=(TRANSFER_ID, DECODE_KV_ADDR, REASON, DETAIL),
-    optional=(LOCAL, REMOTE, BYTES, KV_BUFFER_SIZE, BUFFER_USED, EXPECTED, ACTUAL), level="ERROR")
+    optional=(LOCAL, REMOTE, BYTES, KV_BUFFER_SIZE, BUFFER_USED, EXPECTED, ACTUAL, NUM_TOKENS, POOL_TOKENS, KV_CACHE_BYTES),
+    level="ERROR")
 KV_PRODUCER_FAILED = Event("kv_producer.failed", PREFILL, "the push broke after connecting",
                            required=(TRANSFER_ID, DECODE_KV_ADDR, ERROR), level="ERROR")
 
@@ -279,8 +293,14 @@ KV_CONSUMER_TIMEOUT = Event("kv_consumer.timeout", DECODE, "a decode request's K
                             required=(TRANSFER_ID, WAITED_MS, KV_TRANSFER_TIMEOUT_MS, IN_FLIGHT),
                             level="ERROR")
 KV_CONSUMER_BUFFER_FULL = Event("kv_consumer.buffer_full", DECODE, "a transfer does not fit the receive buffer",
-                                required=(TRANSFER_ID, BYTES, KV_BUFFER_SIZE, BUFFER_USED, PEER),
+                                required=(TRANSFER_ID, BYTES, KV_BUFFER_SIZE, BUFFER_USED, PEER), optional=(NUM_TOKENS,),
                                 level="ERROR")
+KV_CONSUMER_POOL_TOO_SMALL = Event("kv_consumer.pool_too_small", DECODE,
+                                   "a transfer's prompt can never fit this decode's KV pool: refused at the header, before any KV moves",
+                                   required=(TRANSFER_ID, NUM_TOKENS, POOL_TOKENS, KV_CACHE_BYTES, PEER), level="ERROR")
+KV_CONSUMER_STALLED = Event("kv_consumer.stalled", DECODE,
+                            "an admitted push sent nothing for kv_lease_ms (the lease counts from the last byte): closed",
+                            required=(TRANSFER_ID, IDLE_MS, KV_LEASE_MS, RECEIVED, BYTES, PEER), level="ERROR")
 KV_CONSUMER_FINGERPRINT_MISMATCH = Event("kv_consumer.fingerprint_mismatch", DECODE,
                                          "the KV came from another model version",
                                          required=(TRANSFER_ID, LOCAL, REMOTE, PEER), level="ERROR")

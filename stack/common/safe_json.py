@@ -8,6 +8,10 @@ what is left): ~5 ms for 100 kB, ~50 ms a MB, so the guard scans big bodies in a
 
     check_body(raw)    InvalidRequest: nesting deeper than MAX_DEPTH, a number longer than MAX_NUMBER_CHARS,
                        a lone UTF-16 surrogate escape (no engine can tokenize it)
+
+A surrogate escape is read as JSON reads it, backslash by backslash: `\\ud83d\\ude80` is one emoji (a pair),
+`\\\\ud83d` is the text "\\ud83d" (an escaped backslash, then letters: what a tool result holding Python's
+`json.dumps` output carries), and only a high surrogate without its low one, or a low one alone, is refused.
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ MAX_NUMBER_CHARS = 100  # a JSON number literal: digits, sign, point, exponent (
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)  # unrolled: linear, no per-char alternation
 _LONG_NUMBER = re.compile(rb"[-+0-9.eE]{%d,}" % (MAX_NUMBER_CHARS + 1))
-# \ud800-\udbff not followed by \udc00-\udfff, or \udc00-\udfff not preceded by a high one.
-_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
-                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+# JSON escapes from left to right, each consumed whole so that a backslash's parity is JSON's: an escaped backslash
+# (never the start of a \u escape), a surrogate pair, or a lone surrogate (the one group `lone` names).
+_ESCAPES = re.compile(rb"\\(?:\\|u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|(?P<lone>u[dD][89a-fA-F][0-9a-fA-F]{2}))")
 # The same surrogates sent raw: UTF-8 forbids encoding them, but json.loads(bytes) decodes with surrogatepass.
 _RAW_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 _OPEN = np.zeros(256, dtype=np.int8)
@@ -48,7 +52,7 @@ def check_body(raw: bytes) -> None:
     The exact scan runs only when a cheap bound says it might find something: a body with at most MAX_DEPTH
     brackets cannot nest deeper (brackets inside strings only raise the count), and one with no long run of
     number characters anywhere has no long number. Typical bodies pass on those two C-level looks alone."""
-    surrogate = b"\\u" in raw and _LONE_SURROGATE.search(raw) or _RAW_SURROGATE.search(raw)
+    surrogate = b"\\u" in raw and _lone_escape(raw) or _RAW_SURROGATE.search(raw)
     if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH or _LONG_NUMBER.search(raw):
         structure = _STRING.sub(b'""', raw)
         depth = max_depth(structure)
@@ -61,6 +65,11 @@ def check_body(raw: bytes) -> None:
         _name_surrogate(raw)
         raise InvalidRequest("Request body contains a lone UTF-16 surrogate escape (like \\ud800 without its pair); "
                              "send valid Unicode.", code="invalid_json")
+
+
+def _lone_escape(raw: bytes) -> bool:
+    """Whether the JSON text holds a \\uXXXX escape of a surrogate without its pair (see the module doc)."""
+    return any(match.group("lone") for match in _ESCAPES.finditer(raw))
 
 
 def _name_surrogate(raw: bytes) -> None:

@@ -16,19 +16,19 @@ from pathlib import Path
 import numpy as np
 
 from stack.engine.errors import CheckpointError
-from stack.engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from stack.engine.tokenizer import HFTokenizer, Tokenizer, dummy_tokenizer
 from stack.engine.weights import ModelConfig, Weights, build_weights
 
-_BYTE_VOCAB = ByteTokenizer().vocab_size
+_DUMMY_VOCAB = dummy_tokenizer().vocab_size  # embedding rows follow the tokenizer
 
 DUMMY_CONFIGS = {
     # fast enough for unit tests
-    "tiny": ModelConfig(vocab_size=_BYTE_VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+    "tiny": ModelConfig(vocab_size=_DUMMY_VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                         hidden_dim=192, max_seq_len=512),
-    # ~25M parameters: an ~800-token prefill costs a large fraction of a second on one core. 32k context:
-    # a coding agent's system prompt and tool list fit (16 KiB of KV per token: 512 MiB for a full window)
-    "small": ModelConfig(vocab_size=_BYTE_VOCAB, dim=512, n_layers=8, n_heads=8, n_kv_heads=4,
-                         hidden_dim=1536, max_seq_len=32768),
+    # ~50M parameters (25M of them the 24,582-row embedding and lm_head). 64k context: a coding agent's
+    # long session fits (16 KiB of float32 KV per token: 1 GiB for a full window; docs/long-prompts.md)
+    "small": ModelConfig(vocab_size=_DUMMY_VOCAB, dim=512, n_layers=8, n_heads=8, n_kv_heads=4,
+                         hidden_dim=1536, max_seq_len=65536),
 }
 
 # config.json key -> (ModelConfig field, required)

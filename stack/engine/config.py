@@ -45,7 +45,9 @@ class KVTransferConfig:
     kv_buffer_size: float = 8e9  # bytes a consumer may hold: received-but-unclaimed plus in-flight KV ("8e9" ok)
     kv_transfer_timeout_ms: int = 5000  # how long a decode request waits for its KV (prefill: bound of each socket step of a push)
     kv_load_failure_policy: Literal["fail", "recompute"] = "fail"  # KV never came: error (vLLM default) or prefill locally
-    kv_lease_ms: int = 30000  # pushed KV nobody claims is freed after this (NIXL's kv_lease_duration is 30 s)
+    # pushed KV nobody claims is freed after this (NIXL's kv_lease_duration is 30 s); a push that sends nothing for this
+    # long is closed (the lease counts from the last byte: a long prompt's push lasts as long as its prefill)
+    kv_lease_ms: int = 30000
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)  # vLLM's; accepted and ignored
     # The name prefill reaches this consumer's KV listener by, reported on /health as `kv_host` (routers that discover
     # replicas by DNS use it; env KV_ADVERTISE_HOST overrides it, e.g. a Kubernetes pod IP). Empty: this host's name,

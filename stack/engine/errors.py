@@ -22,7 +22,7 @@ class CacheCapacityError(EngineError):
 class KVTransferError(EngineError):
     """A KV push or claim failed; `reason` names the cause and `details` carries the numbers.
 
-    Reasons: connect_failed, buffer_full, fingerprint_mismatch, checksum_mismatch, bad_header,
+    Reasons: connect_failed, buffer_full, pool_too_small, fingerprint_mismatch, checksum_mismatch, bad_header,
     duplicate_transfer, claim_expired, io_error, not_a_producer (prefill side); timeout,
     prompt_mismatch, not_a_consumer (decode side).
     """

@@ -65,7 +65,7 @@ class KVHandoff:
         self.consumer: KVConsumer | None = None
         if config.is_kv_consumer:
             self.consumer = KVConsumer(fingerprint=model.fingerprint, buffer_size=kv.buffer_bytes, lease_ms=kv.kv_lease_ms, metrics=self.metrics,
-                                       prefix=scheduler.prefix if scheduler.prefix.enabled else None)
+                                       prefix=scheduler.prefix if scheduler.prefix.enabled else None, pool=scheduler.pool)
         self.producer = KVProducer(io_timeout_s=max(kv.kv_transfer_timeout_ms, 1000) / 1000)
 
     async def start(self) -> None:
@@ -103,9 +103,16 @@ class KVHandoff:
         prompt = list(req.prompt_tokens)
         stream = LayerStream()
         push = asyncio.ensure_future(self._push(request_id, params, prompt, stream))
+        computing = asyncio.ensure_future(self.scheduler.prefill(request_id, prompt, req.sampling, on_layer=stream.layer_done))
         prefilled = None
         try:
-            prefilled = await self.scheduler.prefill(request_id, prompt, req.sampling, on_layer=stream.layer_done)
+            await asyncio.wait({computing, push}, return_when=asyncio.FIRST_COMPLETED)
+            if push.done() and push.exception() is not None and not computing.done():
+                # decode refused the KV (capacity) or the push broke: the rest of the prefill would be thrown away
+                computing.cancel()
+                await asyncio.gather(computing, return_exceptions=True)
+                push.result()  # raises the push's error
+            prefilled = await computing
             kv = prefilled.kv
             if kv is None:
                 stream.abort()
@@ -117,8 +124,9 @@ class KVHandoff:
             await push
         finally:
             stream.abort()  # no-op after finish: the sender has stopped reading
-            if not push.done():
-                push.cancel()
+            for task in (computing, push):
+                if not task.done():
+                    task.cancel()  # the caller went away: the prefill stops (between layers) and the push closes its socket
             if prefilled is not None:
                 prefilled.release()  # pushed or not, the pool gets the cache back
         host, port = split_addr(params.decode_kv_addr)

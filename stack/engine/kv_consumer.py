@@ -1,9 +1,12 @@
 """The decode side of the KV socket: listener, receive buffer, claims and leases (wire: kv_wire.py).
 
-A `BufferedProtocol` has the kernel write each payload directly into the arrays the decode request
-will claim, and verifies every segment's checksum as soon as it is in. Admission happens on the
-header, before any payload moves: the fingerprint must match and the transfer must fit the receive
-buffer (`kv_buffer_size` bounds in-flight + held + claimed-but-not-yet-loaded bytes). Received KV
+Each connection (kv_connection.py) has the kernel write the payload directly into the arrays the
+decode request will claim, and verifies every segment's checksum as soon as it is in. Admission
+happens on the header, before any payload moves: the fingerprint must match and the transfer's KV
+must fit, both the receive buffer now (`kv_buffer_size` bounds in-flight + held +
+claimed-but-not-yet-loaded bytes) and this engine's KV pool at all; a transfer that does not fit is
+refused with both numbers (the prefill answers 503 `decode_kv_capacity`, and the router tries
+another decode) rather than cut off halfway. Received KV
 waits for its decode request (`claim`, bounded by kv_transfer_timeout_ms); KV nobody claims is
 freed when its lease (kv_lease_ms) runs out, so the buffer always returns to 0. Receive arrays are
 recycled within the same budget: first-touch page faults on fresh memory cost more than the copy.
@@ -28,7 +31,9 @@ from stack.common.logging import log_event
 from stack.engine.metrics import EngineMetrics
 from stack.engine import kv_wire
 from stack.engine.errors import KVTransferError
-from stack.engine.kv_wire import KVHeader, KVTrailer, Reply, WireError
+from stack.engine.kv_cache import KVPool
+from stack.engine.kv_connection import KVConnection
+from stack.engine.kv_wire import KVHeader, KVTrailer, Reply
 from stack.engine.prefix_cache import Block, PrefixCache
 
 
@@ -105,8 +110,9 @@ class KVConsumer:
     """The decode side's KV listener and receive buffer."""
 
     def __init__(self, *, fingerprint: str, buffer_size: int, lease_ms: int, metrics: EngineMetrics | None = None,
-                 prefix: PrefixCache | None = None) -> None:
+                 prefix: PrefixCache | None = None, pool: KVPool | None = None) -> None:
         self.metrics = metrics or EngineMetrics()
+        self.pool = pool  # the decode's KV pool: a transfer it could never hold is refused at the header
         self.prefix = prefix  # this engine's prefix cache: blocks it holds are not received again
         self.fingerprint = fingerprint
         self.buffer_size = buffer_size
@@ -127,7 +133,7 @@ class KVConsumer:
 
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port)
+        self._server = await loop.create_server(lambda: KVConnection(self), host, port)
         self.port = self._server.sockets[0].getsockname()[1]
         log_event(events.KV_CONSUMER_LISTENING, f"KV consumer listening on {host}:{self.port} (buffer {self.buffer_size} bytes)",
                   kv_port=self.port, kv_buffer_size=self.buffer_size, kv_lease_ms=self.lease_ms)
@@ -183,7 +189,7 @@ class KVConsumer:
                   transfer_id=transfer_id, wait_ms=wait_ms, num_tokens=received.header.num_tokens, bytes=received.reservation.nbytes)
         return received
 
-    # -- called by _Connection -----------------------------------------------------------------
+    # -- called by KVConnection ----------------------------------------------------------------
 
     def admit(self, header: KVHeader, peer: str) -> tuple[Reply, Reservation | None]:
         """Accept (with the reservation) or reject a transfer from its header, before any payload is read."""
@@ -197,13 +203,9 @@ class KVConsumer:
             return Reply(False, "fingerprint_mismatch", msg, {"local": self.fingerprint, "remote": header.fingerprint}), None
         reused = self._reusable(header)
         nbytes = header.payload_bytes(len(reused))
-        if self.buffer_used + nbytes > self.buffer_size:
-            msg = (f"KV transfer of {nbytes} bytes ({header.num_tokens} tokens) does not fit the receive buffer: "
-                   f"kv_buffer_size={self.buffer_size} bytes, {self.buffer_used} in use")
-            log_event(events.KV_CONSUMER_BUFFER_FULL, msg, "ERROR", request_id=rid, transfer_id=tid, bytes=nbytes,
-                      kv_buffer_size=self.buffer_size, buffer_used=self.buffer_used, peer=peer)
-            self.metrics.on_kv_failed("receive", "buffer_full")
-            return Reply(False, "buffer_full", msg, {"bytes": nbytes, "kv_buffer_size": self.buffer_size, "buffer_used": self.buffer_used}), None
+        refused = self._capacity(header, nbytes, peer)
+        if refused is not None:
+            return refused, None
         if tid in self._held or tid in self._inflight:
             return self._protocol_error(rid, tid, peer, "duplicate_transfer", f"transfer id {tid} is already held or arriving"), None
         if tid in self._expired:
@@ -214,6 +216,31 @@ class KVConsumer:
         self.buffer_used += nbytes
         self._inflight.add(tid)
         return Reply(True, "accepted", "send the payload", {"reused_blocks": len(reused), "bytes": nbytes}), Reservation(header, reused, nbytes)
+
+    def _capacity(self, header: KVHeader, nbytes: int, peer: str) -> Reply | None:
+        """A refusal naming both numbers if the transfer cannot be held: never by the KV pool, or not now by the buffer."""
+        tid, rid, tokens = header.transfer_id, header.request_id, header.num_tokens
+        per_token = max(header.payload_bytes(0) // max(tokens, 1), 1)
+        if self.pool is not None and not self.pool.can_ever_fit(tokens + 1):  # the prompt and at least one generated token
+            pool_tokens = self.pool.total_blocks * self.pool.block_size
+            msg = (f"KV of {tokens} tokens (+1 to generate) does not fit this decode's KV pool: it holds {pool_tokens} tokens "
+                   f"({self.pool.total_blocks * self.pool.block_bytes} bytes, kv_cache_bytes={self.pool.budget_bytes}; "
+                   f"max_seq_len {self.pool.config.max_seq_len})")
+            log_event(events.KV_CONSUMER_POOL_TOO_SMALL, msg, "ERROR", request_id=rid, transfer_id=tid, num_tokens=tokens,
+                      pool_tokens=pool_tokens, kv_cache_bytes=self.pool.budget_bytes, peer=peer)
+            self.metrics.on_kv_failed("receive", "pool_too_small")
+            return Reply(False, "pool_too_small", msg, {"num_tokens": tokens, "pool_tokens": pool_tokens, "kv_cache_bytes": self.pool.budget_bytes})
+        if self.buffer_used + nbytes > self.buffer_size:
+            free = self.buffer_size - self.buffer_used
+            msg = (f"KV transfer of {nbytes} bytes ({tokens} tokens) does not fit the receive buffer: "
+                   f"kv_buffer_size={self.buffer_size} bytes (about {self.buffer_size // per_token} tokens), {self.buffer_used} in use, "
+                   f"{free} free (about {free // per_token} tokens)")
+            log_event(events.KV_CONSUMER_BUFFER_FULL, msg, "ERROR", request_id=rid, transfer_id=tid, bytes=nbytes, num_tokens=tokens,
+                      kv_buffer_size=self.buffer_size, buffer_used=self.buffer_used, peer=peer)
+            self.metrics.on_kv_failed("receive", "buffer_full")
+            return Reply(False, "buffer_full", msg, {"bytes": nbytes, "num_tokens": tokens, "kv_buffer_size": self.buffer_size,
+                                                     "buffer_used": self.buffer_used})
+        return None
 
     def _reusable(self, header: KVHeader) -> list[Block]:
         """The leading blocks of the header's prompt this engine's prefix cache holds (same block size only)."""
@@ -317,106 +344,3 @@ class KVConsumer:
         now = time.monotonic()
         self._expired = {t: at for t, at in self._expired.items() if at > now - self.lease_ms / 1000}
         self._expired[tid] = now
-
-
-class _Connection(asyncio.BufferedProtocol):
-    """One incoming transfer: preamble → header → (reply) → payload straight into numpy → trailer → ack."""
-
-    def __init__(self, consumer: KVConsumer) -> None:
-        self.consumer = consumer
-        self.transport: asyncio.Transport | None = None
-        self.peer = "?"
-        self.res: Reservation | None = None
-        self.targets: list[memoryview] = []  # what the current stage fills, in order
-        self.segments: list[np.ndarray] = []  # the payload's segments (views into k and v)
-        self.checksums: list[str] = []  # of each payload segment received so far
-        self.stage = "preamble"
-        self._expect(bytearray(kv_wire.PREAMBLE.size))
-        self.payload_received = 0
-        self.payload_started = 0.0
-        self.done = False
-        self.deadline: asyncio.TimerHandle | None = None  # a stalled producer must not hold its reservation forever
-
-    def _expect(self, *targets: bytearray | np.ndarray) -> None:
-        self.raw = targets[0]  # the preamble/header bytearray (payload stages fill numpy arrays)
-        self.targets = [memoryview(t).cast("B") for t in targets]
-        self.filled = 0
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        peer = transport.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self.targets[0][self.filled :]
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.filled += nbytes
-        if self.stage == "payload":
-            self.payload_received += nbytes
-        if self.filled < len(self.targets[0]):
-            return
-        self.targets.pop(0)
-        self.filled = 0
-        if self.stage == "payload":  # verify while the producer sends the next segment
-            self.checksums.append(kv_wire.checksum(self.segments[len(self.checksums)]))
-        if not self.targets:
-            self._stage_complete()
-
-    def _stage_complete(self) -> None:
-        try:
-            if self.stage == "preamble":
-                self.stage = "header"
-                self._expect(bytearray(kv_wire.parse_preamble(bytes(self.raw))))
-            elif self.stage == "header":
-                self._on_header(KVHeader.decode(bytes(self.raw)))
-            elif self.stage == "payload":
-                self.stage = "trailer_length"
-                self._expect(bytearray(kv_wire.TRAILER_PREFIX.size))
-            elif self.stage == "trailer_length":
-                self.stage = "trailer"
-                self._expect(bytearray(kv_wire.trailer_length(bytes(self.raw))))
-            else:
-                self._on_trailer()
-        except WireError as exc:
-            if self.res is not None and not self.done:  # a bad trailer: the reservation and its pins go
-                self.done = True
-                self.consumer.abort_inflight(self.res, self.payload_received, self.peer)
-            self._finish(self.consumer.protocol_error(self.peer, str(exc)))
-
-    def _on_header(self, header: KVHeader) -> None:
-        reply, res = self.consumer.admit(header, self.peer)
-        if res is None:
-            self._finish(reply)
-            return
-        self.res = res
-        arrays = self.consumer.receive_arrays(res)
-        self.stage = "payload"
-        self.segments = kv_wire.segments(arrays.k, arrays.v, res.tokens)
-        self._expect(*self.segments)
-        self.payload_started = time.perf_counter()
-        assert self.transport is not None
-        self.deadline = asyncio.get_running_loop().call_later(self.consumer.lease_ms / 1000, self.transport.abort)
-        self.transport.write(reply.encode())
-
-    def _on_trailer(self) -> None:
-        assert self.res is not None, "trailer without header"
-        trailer = KVTrailer.decode(bytes(self.raw), self.res.header.n_layers)
-        self.done = True
-        receive_s = time.perf_counter() - self.payload_started
-        self._finish(self.consumer.complete(self.res, trailer, self.peer, receive_s, self.checksums))
-
-    def _finish(self, reply: Reply) -> None:
-        self.done = True
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(reply.encode())
-            self.transport.close()
-
-    def eof_received(self) -> bool:
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.deadline is not None:
-            self.deadline.cancel()
-        if self.res is not None and not self.done:  # admitted, and the trailer never came
-            self.consumer.abort_inflight(self.res, self.payload_received, self.peer)

@@ -31,6 +31,9 @@ from stack.engine.kv_wire import KVHeader, KVTrailer, Reply, WireError
 
 
 T = TypeVar("T")
+# One socket step of a push (each bounded by the producer's io timeout): a 60k-token prompt's layer segment is
+# 61 MB on dummy:small, which a busy decode may take longer than one timeout to read as a whole.
+SEND_STEP_BYTES = 4 * 2**20
 
 
 def prompt_hash(tokens: Sequence[int]) -> str:
@@ -196,8 +199,8 @@ def _push_blocking(addr: tuple[str, int], header: KVHeader, stream: LayerStream,
 
     Connects at the prefill's first finished layer, so no connection idles while a prefill queues.
     Every socket step is bounded by `timeout`; the waits for the next layer last as long as the
-    prefill computes it (a loaded CPU may take seconds per layer), and decode's kv_lease_ms bounds the
-    whole payload. sendall releases the GIL; the forward goes on computing the next layer meanwhile.
+    prefill computes it (a loaded CPU may take seconds per layer), and decode closes a push that stays
+    silent for kv_lease_ms (counted from its last byte, never from the header). sendall releases the GIL; the forward goes on computing the next layer meanwhile.
     """
     item = stream.next()  # the hand-off always ends the stream: this wait ends with the prefill
     started = time.perf_counter()
@@ -218,7 +221,9 @@ def _push_blocking(addr: tuple[str, int], header: KVHeader, stream: LayerStream,
                 layer, cache = item
                 for segment in kv_wire.layer_segments(cache.k, cache.v, layer, start, header.num_tokens, header.dtype):
                     checksums.append(kv_wire.checksum(segment))
-                    sock.sendall(memoryview(segment).cast("B"))
+                    data = memoryview(segment).cast("B")
+                    for at in range(0, len(data), SEND_STEP_BYTES):  # sendall's timeout covers one call: bound steps, not the segment
+                        sock.sendall(data[at : at + SEND_STEP_BYTES])
                 item = stream.next()  # bounded by the prefill's step, which always ends (finish or abort)
         except _Aborted:
             sock.shutdown(socket.SHUT_RDWR)  # decode sees the payload end early and drops the reservation

@@ -25,7 +25,7 @@ from stack.engine.attention import attention
 from stack.engine.checkpoint import DUMMY_CONFIGS, dummy_weights, load_checkpoint
 from stack.engine.errors import CheckpointError, TokenRangeError
 from stack.engine.kv_cache import KVCache
-from stack.engine.tokenizer import ByteTokenizer, Tokenizer
+from stack.engine.tokenizer import Tokenizer, dummy_tokenizer
 from stack.engine.weights import ModelConfig, Weights, fingerprint
 
 __all__ = ["Model", "ModelConfig", "Segment", "Weights", "forward", "load_model"]
@@ -52,13 +52,13 @@ class Segment:
 
 
 def load_model(source: str, seed: int = 0) -> Model:
-    """Load "dummy:tiny" | "dummy:small" (seeded random weights, byte tokenizer) or an HF checkpoint directory."""
+    """Load "dummy:tiny" | "dummy:small" (seeded random weights, the dummy BPE tokenizer) or an HF checkpoint directory."""
     if source.startswith("dummy:"):
         size = source.removeprefix("dummy:")
         if size not in DUMMY_CONFIGS:
             raise CheckpointError(f"{source}: unknown dummy size; choose one of {sorted(DUMMY_CONFIGS)}")
         config = DUMMY_CONFIGS[size]
-        weights, tokenizer, name = dummy_weights(config, seed), ByteTokenizer(), source
+        weights, tokenizer, name = dummy_weights(config, seed), dummy_tokenizer(), source
     else:
         config, weights, tokenizer = load_checkpoint(source)
         name = source.rstrip("/").rsplit("/", 1)[-1]

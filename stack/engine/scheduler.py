@@ -58,6 +58,14 @@ class _Work:
     samples: bool  # this chunk reaches the end of the prompt (or is a decode): sample a token
 
 
+class _Stopped(Exception):
+    """A sequence in the step was cancelled: the forward stops after layer `layer` (its caches are not advanced)."""
+
+    def __init__(self, layer: int) -> None:
+        super().__init__(layer)
+        self.layer = layer
+
+
 class Scheduler:
     """Owns the KV pool and the step loop; `submit` or `prefill` sequences, read `seq.outputs`, `cancel` them."""
 
@@ -198,6 +206,13 @@ class Scheduler:
                 tokens = await loop.run_in_executor(self._executor, self._execute, work)
                 self.metrics.on_step(sum(len(w.segment.tokens) for w in work if w.seq.prefilling), sum(not w.seq.prefilling for w in work),
                                      time.perf_counter() - started)
+            except _Stopped as stop:  # a cancelled prefill: the next _schedule frees it; the rest of the batch runs again
+                for item in work:
+                    if item.seq.cancelled and item.seq.prefilling:
+                        log_event(events.ENGINE_PREFILL_STOPPED, f"stopped the cancelled prefill after layer {stop.layer + 1} of "
+                                  f"{self.model.config.n_layers}", "WARNING", request_id=item.seq.request_id,
+                                  prompt_tokens=len(item.seq.prompt), computed_tokens=item.seq.num_computed, layers_done=stop.layer + 1)
+                continue
             except Exception:  # a bug in the forward: fail this batch, keep serving
                 logger.bind(event=events.ENGINE_STEP_FAILED, sequences=len(work)).opt(exception=True).error(
                     "engine step failed; its sequences end with an error")
@@ -277,8 +292,15 @@ class Scheduler:
     def _execute(self, work: list[_Work]) -> list[tuple[int, TokenLogprob | None] | None]:
         """Worker thread: one forward over the whole batch, then sample where a token is due."""
         hooks = [(w.seq.on_layer, w.segment.cache) for w in work if w.samples and w.seq.on_layer is not None and w.seq.prefilling]
-        on_layer = (lambda layer: [hook(layer, cache) for hook, cache in hooks]) if hooks else None
-        logits = forward(self.model, [w.segment for w in work], on_layer=on_layer)  # (len(work), vocab)
+        prefills = [w.seq for w in work if w.seq.prefilling]
+
+        def on_layer(layer: int) -> None:
+            if any(seq.cancelled for seq in prefills):  # a long prefill nobody waits for stops here, not after its last layer
+                raise _Stopped(layer)
+            for hook, cache in hooks:
+                hook(layer, cache)
+
+        logits = forward(self.model, [w.segment for w in work], on_layer=on_layer if prefills else None)  # (len(work), vocab)
         return [self._sample(w.seq, row) if w.samples else None for w, row in zip(work, logits)]
 
     def _sample(self, seq: Sequence, row: np.ndarray) -> tuple[int, TokenLogprob | None]:

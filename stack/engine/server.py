@@ -149,9 +149,22 @@ class _ClientGone(Exception):
     """The client closed its connection; the request is cancelled."""
 
 
+_ARRIVED = web.RequestKey("arrived", float)  # monotonic time the handler started (for engine.request_abandoned)
+
+
+def _log_abandoned(request: web.Request, req: CompletionRequest) -> None:
+    """The caller (a router giving up on a leg, or a client) closed the connection: say so once, with what was asked."""
+    waited_ms = round((time.monotonic() - request[_ARRIVED]) * 1000, 1)
+    log_event(events.ENGINE_REQUEST_ABANDONED,
+              f"caller closed the connection after {waited_ms} ms: cancelling {len(req.prompt_tokens)} prompt tokens' work"
+              " (the KV is freed and any push stopped)", "WARNING",
+              prompt_tokens=len(req.prompt_tokens), pd_leg=pd_leg(req), waited_ms=waited_ms)
+
+
 async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     engine = request.app[ENGINE]
     request_id = request[REQUEST_ID]
+    request[_ARRIVED] = time.monotonic()
     data = protocol.parse_json(await request.read())
     req = protocol.parse_request(kind, data, model_id=engine.config.model, tokenizer=engine.model.tokenizer,
                                  max_model_len=engine.max_model_len)
@@ -178,13 +191,21 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
             engine.scheduler.cancel(seq)
         raise _api_error(err, req) from None
     except _ClientGone:
+        _log_abandoned(request, req)
         return web.Response(status=499)  # nginx's "client closed request"; nobody reads it
+    except asyncio.CancelledError:  # handler_cancellation: the caller left; the awaited work was cancelled with us
+        _log_abandoned(request, req)
+        raise
     try:
         if req.stream:
             return await _stream(request, engine, req, seqs)
         return await _complete(request, engine, req, seqs)
     except _ClientGone:
+        _log_abandoned(request, req)
         return web.Response(status=499)
+    except asyncio.CancelledError:
+        _log_abandoned(request, req)
+        raise
     finally:
         for seq in seqs:
             engine.scheduler.cancel(seq)  # no-op when it finished
@@ -241,7 +262,7 @@ async def _stream(request: web.Request, engine: Engine, req: CompletionRequest, 
                 index, out = await _unless_client_gone(request, merged.get())
             await send_done(stream)
         except (ConnectionResetError, _ClientGone):
-            pass  # the client went away mid-stream; _generate's finally cancels the sequences
+            _log_abandoned(request, req)  # mid-stream; _generate's finally cancels the sequences
         return stream
     finally:
         for pump in pumps:
@@ -291,7 +312,8 @@ def _raise_if_failed(out: Output) -> None:
 
 _KV_STATUS: dict[str, type[APIError]] = {
     "timeout": UpstreamTimeout,  # decode waited kv_transfer_timeout_ms (policy fail)
-    "buffer_full": Overloaded,  # decode's receive buffer is full now; another decode or later may work
+    "buffer_full": Overloaded,  # decode's receive buffer cannot take the KV now: another decode (or later) may
+    "pool_too_small": Overloaded,  # this decode's KV pool can never hold the prompt: another decode may
     "prompt_mismatch": InvalidRequest,  # the decode leg's prompt is not the one prefilled
     "not_a_consumer": InvalidRequest,  # do_remote_prefill sent to an engine that does not receive KV
     "not_a_producer": InvalidRequest,  # do_remote_decode sent to an engine that does not send KV
@@ -305,4 +327,8 @@ def _api_error(err: KVTransferError | CacheCapacityError, req: CompletionRequest
                   prompt_tokens=len(req.prompt_tokens), max_tokens=req.sampling.max_tokens, limit=str(err))
         return InvalidRequest(f"this request can never fit the engine's KV cache: {err}", code="kv_cache_too_small", param="max_tokens")
     cls = _KV_STATUS.get(err.reason, UpstreamError)  # the rest: the KV peer refused or broke (502)
-    return cls(err.message, code="kv_transfer_timeout" if err.reason == "timeout" else f"kv_{err.reason}")
+    return cls(err.message, code=_KV_CODES.get(err.reason, f"kv_{err.reason}"))
+
+
+# error.code of a KV failure when not `kv_<reason>`; decode_kv_capacity is the router's cue to retry another decode
+_KV_CODES = {"timeout": "kv_transfer_timeout", "buffer_full": "decode_kv_capacity", "pool_too_small": "decode_kv_capacity"}

@@ -1,6 +1,10 @@
-"""Tokenizers: a byte-level one for dummy models, Hugging Face `tokenizer.json` for checkpoints.
+"""Tokenizers: the dummy models' byte-level BPE, a plain byte one, Hugging Face `tokenizer.json` for checkpoints.
 
-Both expose the same small interface (`encode`, `decode`, `bos_id`, `eos_id`, `stop_ids`,
+The dummy models (`dummy:tiny`, `dummy:small`) count tokens like a real model: a byte-level BPE of
+24,576 tokens trained on the Python standard library's docs, source and tool schemas
+(scripts/train_dummy_tokenizer.py writes data/dummy_bpe.json), about 4 characters a token on a
+coding agent's English and JSON, where one byte a token would put a 27k-character system prompt and
+its tools over any window. All expose the same small interface (`encode`, `decode`, `bos_id`, `eos_id`, `stop_ids`,
 `apply_chat_template`), and `IncrementalDecoder` turns a growing token list into text deltas for
 streaming without ever emitting half a UTF-8 character.
 """
@@ -9,9 +13,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from stack.engine.errors import ChatTemplateError
@@ -46,6 +51,14 @@ BYTE_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+
+
+DUMMY_BPE_PATH = Path(__file__).parent / "data" / "dummy_bpe.json"
+DUMMY_BOS, DUMMY_EOS = "<|bos|>", "<|eos|>"
+DUMMY_SPECIALS = [DUMMY_BOS, DUMMY_EOS, *ROLE_MARKERS.values()]
+# Hermes tool tags: ordinary added tokens (one id each, kept by decode), as in Qwen2.5's tokenizer; vLLM's
+# `hermes` tool parser refuses a tokenizer without <tool_call> and </tool_call>.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<tools>", "</tools>"]
 
 
 class Tokenizer:
@@ -154,8 +167,49 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def to_json(self) -> str:
-        """The tokenizer.json text (what llguidance builds its token trie from)."""
-        return self._tok.to_str()
+        """The tokenizer.json text llguidance builds its token trie from.
+
+        llguidance takes every added token for a special one, which no grammar literal can produce:
+        a forced tool call's `"<tool_call>"` would then allow that token and break on it. Non-special
+        added tokens (Qwen2.5's and the dummy models' tool tags) are text, so they go to it as ordinary
+        vocabulary; only printable ASCII ones, whose byte-level spelling is themselves.
+        """
+        data = json.loads(self._tok.to_str())
+        vocab = data.get("model", {}).get("vocab")
+        if isinstance(vocab, dict):
+            text = [a for a in data.get("added_tokens", []) if not a.get("special") and re.fullmatch(r"[!-~]+", a["content"])]
+            vocab.update({a["content"]: a["id"] for a in text})
+            data["added_tokens"] = [a for a in data.get("added_tokens", []) if a not in text]
+        return json.dumps(data)
+
+
+def build_dummy_bpe(corpus: Iterable[str], vocab_size: int) -> Any:
+    """A `tokenizers.Tokenizer`: byte-level BPE (every UTF-8 string encodes) trained on `corpus`, the
+    dummy specials first (ids 0..5), the tool tags added, and `<|bos|>` prepended by add_special_tokens."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as _HF
+
+    tok = _HF(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=DUMMY_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    tok.post_processor = processors.TemplateProcessing(single=f"{DUMMY_BOS} $A", special_tokens=[(DUMMY_BOS, tok.token_to_id(DUMMY_BOS))])
+    return tok
+
+
+@lru_cache(maxsize=1)
+def dummy_tokenizer() -> HFTokenizer:
+    """The dummy models' tokenizer (one instance: it is immutable and every dummy model shares it)."""
+    return HFTokenizer(str(DUMMY_BPE_PATH), dummy_tokenizer_config())
+
+
+def dummy_tokenizer_config() -> dict[str, Any]:
+    """tokenizer_config.json of the dummy tokenizer (tiny_llama writes it next to the checkpoint for vLLM)."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": DUMMY_BOS, "eos_token": DUMMY_EOS,
+            "chat_template": BYTE_CHAT_TEMPLATE}
 
 
 class IncrementalDecoder:

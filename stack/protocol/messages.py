@@ -2,7 +2,7 @@
 
 Content is text: a string or an array of text parts (joined). Other parts (images, audio, files)
 are a 400 `unsupported_content` naming the part; the Responses and Anthropic translators reuse
-`text_content` with their own part types.
+`text_content` with their own part types (and Anthropic's word for them, "block").
 """
 
 from __future__ import annotations
@@ -18,19 +18,20 @@ CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assist
 CHAT_PARTS = frozenset({"text", "input_text"})
 
 
-def text_content(content: Any, where: str, part_types: frozenset[str]) -> str:
-    """A message's content as text: a string, or an array of text parts of `part_types` (others are a 400)."""
+def text_content(content: Any, where: str, part_types: frozenset[str], noun: str = "part") -> str:
+    """A message's content as text: a string, or an array of text parts of `part_types` (others are a 400).
+    `noun`: what the client's API calls an item of content (OpenAI a "part", Anthropic a "block")."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InvalidRequest(f"Invalid type for '{where}': expected a string or an array of content parts.", param=where,
+        raise InvalidRequest(f"Invalid type for '{where}': expected a string or an array of content {noun}s.", param=where,
                              code="invalid_type")
     texts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         if not isinstance(kind, str) or kind not in part_types or not isinstance(part.get("text"), str):  # a list type: no hash
-            raise InvalidRequest(f"Unsupported content part at '{where}[{i}]' (type {kind!r}): only {', '.join(sorted(part_types))} "
-                                 "parts are supported.", param=f"{where}[{i}]", code="unsupported_content")
+            raise InvalidRequest(f"Unsupported content {noun} at '{where}[{i}]' (type {kind!r}): only {', '.join(sorted(part_types))} "
+                                 f"{noun}s are supported.", param=f"{where}[{i}]", code="unsupported_content")
         texts.append(part["text"])
     return "".join(texts)
 

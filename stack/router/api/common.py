@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol, TypeVar
 
 from aiohttp import web
@@ -113,6 +113,13 @@ def engine_body(request: web.Request, req: Request, api: str, extras: dict[str, 
 def vllm_extras(body: dict[str, Any]) -> dict[str, Any]:
     """The fields of `body` that are vLLM's own (VLLM_EXTRAS), in the client's order."""
     return {k: v for k, v in body.items() if k in VLLM_EXTRAS and v is not None}
+
+
+def deltas(chunk: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, Any], str | None]]:
+    """A chat chunk's choices as (choice, its delta, the delta's text): what every API's stream translator reads."""
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        yield choice, delta, delta.get("content")
 
 
 class Translator(Protocol):

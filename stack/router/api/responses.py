@@ -50,8 +50,9 @@ from stack.protocol.capabilities import Capabilities, unsupported
 from stack.protocol.fields import Fields
 from stack.protocol.messages import CHAT_ROLES, text_content
 from stack.protocol.parse import parse
+from stack.protocol.tools import function_tools
 from stack.protocol.types import Request
-from stack.router.api.common import capabilities, charge, engine_body, read_json, received, relay
+from stack.router.api.common import capabilities, charge, deltas, engine_body, read_json, received, relay
 from stack.router.api.openai import CHAT_PATH
 from stack.router.appkeys import PD
 
@@ -104,22 +105,6 @@ def _messages(f: Fields, caps: Capabilities) -> list[dict[str, Any]]:
     return result
 
 
-def _tools(f: Fields) -> list[dict[str, Any]] | None:
-    if f.body.get("tools") is None:
-        return None
-    tools = []
-    for i, t in enumerate(f.objects("tools")):
-        kind = t.string("type", required=True)
-        if kind != "function":
-            raise unsupported(f"tools[{i}].type", f"{kind!r}: only function tools are supported (this router runs no hosted tools)")
-        function = {"name": t.string("name", required=True)}
-        for key in ("description", "parameters", "strict"):
-            if t.body.get(key) is not None:
-                function[key] = t.body[key]
-        tools.append({"type": "function", "function": function})
-    return tools
-
-
 def _tool_choice(f: Fields) -> str | dict[str, Any] | None:
     choice = f.body.get("tool_choice")
     if not isinstance(choice, dict):
@@ -154,8 +139,10 @@ def _parse(body: dict[str, Any], caps: Capabilities) -> Request:
     chat = _messages(f, caps)
     if body.get("previous_response_id") is not None:
         raise unsupported("previous_response_id", "is not supported: this router stores no responses; send the whole conversation in 'input'")
+    tools = function_tools(f, kinds=("function",), refusal="only function tools are supported (this router runs no hosted tools)",
+                           keys={key: key for key in ("description", "parameters", "strict")})
     fields = {"model": model, "messages": chat, "max_tokens": body.get("max_output_tokens"), "stream": body.get("stream"),
-              "tools": _tools(f), "tool_choice": _tool_choice(f), "response_format": _response_format(f),
+              "tools": tools, "tool_choice": _tool_choice(f), "response_format": _response_format(f),
               **{name: body.get(name) for name in ("temperature", "top_p", "ignore_eos", "parallel_tool_calls")}}
     return parse("chat", {k: v for k, v in fields.items() if v is not None},
                  labels={"max_tokens": "max_output_tokens", "response_format": "text.format"})
@@ -293,9 +280,7 @@ class _EventRelay:
         frames = [] if self.started else self._start()
         if chunk.get("usage"):
             self.usage = chunk["usage"]
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            text = delta.get("content")
+        for choice, delta, text in deltas(chunk):
             if text:
                 if self.open is None or self.open["kind"] != "message":
                     frames += self._open_message()

@@ -47,6 +47,7 @@ def test_the_checks_find_what_the_declared_events_say():
         "kv.port_closed",  # kv_producer.connect_failed refused + kv_consumer.listening on that very port
         "kv.unreachable",  # kv_consumer.incomplete
         "kv.buffer_too_small", "kv.model_mismatch", "kv.checksum_mismatch",
+        "long_prompt.decode_kv_capacity", "long_prompt.kv_stalled", "long_prompt.abandoned",
         "p2pnccl.bad_ping", "p2pnccl.left",
     ]
     assert "(100204 of 100000 tokens used)" in findings["limit.quota_exhausted"].title

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from stack.engine.errors import ChatTemplateError
-from stack.engine.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder
+from stack.engine.checkpoint import DUMMY_CONFIGS
+from stack.engine.tokenizer import DUMMY_BPE_PATH, ByteTokenizer, HFTokenizer, IncrementalDecoder, dummy_tokenizer
 
 from .hf_fixture import train_tokenizer
 
@@ -88,3 +89,38 @@ def test_chat_template_errors_are_typed(tmp_path: Path) -> None:
     broken = HFTokenizer(str(tmp_path / "tokenizer.json"), {"chat_template": "{% if %}"})
     with pytest.raises(ChatTemplateError, match="chat template failed"):
         broken.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+# -- the dummy models' BPE (issue 19) ----------------------------------------------------------------
+
+
+def test_dummy_bpe_counts_agent_text_like_a_real_model() -> None:
+    """A coding agent's system prompt and JSON tool list: 3.5-4.5 characters a token (measured 4.29; was 1 byte a
+    token), as a real model's BPE counts it, so Claude-Code-sized requests fit the window."""
+    from .agent_prompt import agent_text
+
+    text = agent_text()
+    ratio = len(text) / len(dummy_tokenizer().encode(text, add_special_tokens=False))
+    assert 3.5 <= ratio <= 4.5, f"{ratio:.2f} characters a token"
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_dummy_bpe_round_trips_unicode(text: str) -> None:
+    """Byte-level BPE: every string encodes and decodes back exactly, <|bos|> first."""
+    tok = dummy_tokenizer()
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_id and tok.decode(ids) == text
+
+
+def test_dummy_bpe_keeps_the_engines_specials_and_tool_tags() -> None:
+    """Role markers and <|eos|> are one id each and skipped by decode; the Hermes tool tags are one id each and kept;
+    the dummy models' embedding rows follow the tokenizer."""
+    tok = dummy_tokenizer()
+    ids = tok.encode("<|user|>hi<tool_call>{}</tool_call><|eos|>", add_special_tokens=False)
+    assert ids[0] == tok.encode("<|user|>", add_special_tokens=False)[0] and ids[-1] == tok.eos_id
+    assert len(tok.encode("<tool_call>", add_special_tokens=False)) == 1
+    assert tok.decode(ids) == "hi<tool_call>{}</tool_call>" and tok.stop_ids == {tok.eos_id}
+    assert all(config.vocab_size == tok.vocab_size for config in DUMMY_CONFIGS.values())
+    assert DUMMY_BPE_PATH.stat().st_size <= 2 * 2**20
+    chat = tok.apply_chat_template([{"role": "user", "content": "u"}])
+    assert chat == "<|bos|><|user|>u<|eos|><|assistant|>" and tok.encode_chat([{"role": "user", "content": "u"}]).count(tok.bos_id) == 1

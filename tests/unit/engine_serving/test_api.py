@@ -121,7 +121,7 @@ BAD_REQUESTS = [
     (chat(max_tokens=-3), 400, "invalid_value", "max_tokens"),
     (chat(max_tokens="10"), 400, "invalid_type", "max_tokens"),
     (chat(max_tokens=10**6), 400, "context_length_exceeded", "max_tokens"),
-    (chat("x" * 600), 400, "context_length_exceeded", "messages"),
+    (chat(" ".join(f"w{i}" for i in range(600))), 400, "context_length_exceeded", "messages"),
     (chat(temperature=-1), 400, "invalid_value", "temperature"),
     (chat(top_p=0), 400, "invalid_value", "top_p"),
     (chat(n=2, kv_transfer_params={"do_remote_prefill": True, "transfer_id": "t"}), 400, "unsupported_parameter", "n"),

@@ -17,7 +17,7 @@ from openai.types.chat import ChatCompletion
 from stack.engine.checkpoint import DUMMY_CONFIGS, dummy_weights
 from stack.engine.model import Model
 from stack.engine.server import warm_up
-from stack.engine.tokenizer import ByteTokenizer
+from stack.engine.tokenizer import dummy_tokenizer
 from stack.engine.weights import fingerprint
 from stack.protocol.capabilities import Capabilities
 
@@ -29,14 +29,15 @@ TOOLS = [{"type": "function", "function": {"name": "weather", "description": "th
          {"type": "function", "function": {"name": "flag", "parameters": {"type": "object", "properties": {"on": {"type": "boolean"}},
                                                                            "required": ["on"]}}}]
 MESSAGES = [{"role": "user", "content": "what is the weather?"}]
+A = dummy_tokenizer().encode("A", add_special_tokens=False)[0]  # the token logit_bias forces below
 
 
 @pytest.fixture(scope="session")
 def tiny_long() -> Model:
-    """dummy:tiny's weights with a 4096-token window: room for the Hermes tools system prompt (~800 tokens)."""
+    """dummy:tiny's weights with a 4096-token window: room for the Hermes tools system prompt."""
     config = replace(DUMMY_CONFIGS["tiny"], max_seq_len=4096)
     weights = dummy_weights(config, 0)
-    return Model("dummy:tiny", config, weights, ByteTokenizer(), fingerprint(config, weights))
+    return Model("dummy:tiny", config, weights, dummy_tokenizer(), fingerprint(config, weights))
 
 
 @pytest.fixture
@@ -57,11 +58,9 @@ async def test_health_reports_every_capability(sdk) -> None:
 
 
 def test_dummy_small_context_fits_a_coding_agent() -> None:
-    """dummy:small (the stacks' default) takes 32768 tokens; its KV is 16 KiB per token (512 MiB per full window)."""
-    from stack.engine.checkpoint import DUMMY_CONFIGS
-
+    """dummy:small (the stacks' default) takes 65536 tokens; its KV is 16 KiB per token (1 GiB per full window)."""
     small = DUMMY_CONFIGS["small"]
-    assert small.max_seq_len == 32768 and small.kv_bytes_per_token * small.max_seq_len == 512 * 2**20
+    assert small.max_seq_len == 65536 and small.kv_bytes_per_token * small.max_seq_len == 2**30
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -194,14 +193,14 @@ async def test_n_choices_have_their_own_seed_streams(sdk) -> None:
 async def test_sampling_extras_steer_the_engine(sdk) -> None:
     """logit_bias forces a token; stop_token_ids end on it; min_tokens holds back EOS; top_k=1 is greedy."""
     _, client = sdk
-    forced = await client.completions.create(model="tiny", prompt="x", max_tokens=4, logit_bias={"65": 100}, seed=1)
+    forced = await client.completions.create(model="tiny", prompt="x", max_tokens=4, logit_bias={str(A): 100}, seed=1)
     assert forced.choices[0].text == "AAAA"
-    stopped = await client.completions.create(model="tiny", prompt="x", max_tokens=4, logit_bias={"65": 100}, seed=1,
-                                              extra_body={"stop_token_ids": [65]})
+    stopped = await client.completions.create(model="tiny", prompt="x", max_tokens=4, logit_bias={str(A): 100}, seed=1,
+                                              extra_body={"stop_token_ids": [A]})
     assert (stopped.choices[0].text, stopped.choices[0].finish_reason, stopped.usage.completion_tokens) == ("", "stop", 1)
-    assert stopped.choices[0].model_extra["stop_reason"] == 65  # vLLM's choice field: the stop token id
+    assert stopped.choices[0].model_extra["stop_reason"] == A  # vLLM's choice field: the stop token id
     assert forced.choices[0].model_extra["stop_reason"] is None  # length: nothing matched
-    eos = 257  # the byte tokenizer's <|eos|>
+    eos = dummy_tokenizer().eos_id
     held = await client.completions.create(model="tiny", prompt="x", max_tokens=10, logit_bias={str(eos): 100}, seed=1,
                                            extra_body={"min_tokens": 3})
     assert (held.choices[0].finish_reason, held.usage.completion_tokens) == ("stop", 4)
@@ -263,7 +262,7 @@ async def test_hf_tokenizer_checkpoint_gets_constrained_too(engine_client, tmp_p
 async def test_the_stop_string_that_matched_is_the_choices_stop_reason(sdk) -> None:
     """As vLLM: a stop string ends the text before it and is named in the choice's `stop_reason`, streamed and not."""
     _, client = sdk
-    body = dict(model="tiny", prompt="x", max_tokens=8, logit_bias={"65": 100}, seed=1, stop=["zz", "AA"])
+    body = dict(model="tiny", prompt="x", max_tokens=8, logit_bias={str(A): 100}, seed=1, stop=["zz", "AA"])
     answer = await client.completions.create(**body)
     assert (answer.choices[0].text, answer.choices[0].finish_reason, answer.choices[0].model_extra["stop_reason"]) == ("", "stop", "AA")
     chunks = [chunk async for chunk in await client.completions.create(**body, stream=True)]

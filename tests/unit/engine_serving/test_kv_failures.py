@@ -14,7 +14,7 @@ from stack.engine.model import Model
 
 from .conftest import EngineHandle, Logs, chat, free_port, prefill_leg, wait_until
 
-LONG_PROMPT = "w" * 200  # ~200 byte tokens: 200 * 512 B of KV on dummy:tiny
+LONG_PROMPT = " ".join(f"w{i}" for i in range(100))  # a few hundred tokens: ~200 * 512 B of KV on dummy:tiny
 
 
 async def push(prefill: EngineHandle, body: dict, transfer_id: str, kv_addr: str) -> tuple[int, dict]:
@@ -40,7 +40,7 @@ async def test_fingerprint_mismatch_is_rejected_on_both_sides(engine_client, tin
 
 
 async def test_transfer_larger_than_kv_buffer_size_names_both_numbers(engine_client, logs: Logs) -> None:
-    """A prompt whose KV exceeds the decode's kv_buffer_size fails with 503 and both sizes on both sides."""
+    """A prompt whose KV exceeds the decode's kv_buffer_size fails with 503 decode_kv_capacity, both sizes and decode's address."""
     decode = await engine_client("decode", kv={"kv_buffer_size": "4e3"})
     prefill = await engine_client("prefill")
     status, body = await push(prefill, chat(LONG_PROMPT), "t-big", decode.kv_addr)
@@ -48,8 +48,10 @@ async def test_transfer_larger_than_kv_buffer_size_names_both_numbers(engine_cli
     consumer_line = logs.one("kv_consumer.buffer_full")
     size = consumer_line["bytes"]
     assert size > 4000 and consumer_line["kv_buffer_size"] == 4000 and consumer_line["buffer_used"] == 0
-    assert status == 503 and body["error"]["code"] == "kv_buffer_full"
-    assert str(size) in body["error"]["message"] and "kv_buffer_size=4000" in body["error"]["message"]
+    assert status == 503 and body["error"]["code"] == "decode_kv_capacity"
+    message = body["error"]["message"]
+    assert str(size) in message and "kv_buffer_size=4000" in message and decode.kv_addr in message
+    assert f"({consumer_line['num_tokens']} tokens)" in message
     producer_line = logs.one("kv_producer.rejected")
     assert producer_line["reason"] == "buffer_full" and producer_line["bytes"] == size and producer_line["kv_buffer_size"] == 4000
 
@@ -126,7 +128,8 @@ async def test_decode_times_out_and_recomputes_under_policy_recompute(engine_cli
 
 
 async def test_unreachable_decode_is_a_connect_failure_naming_the_address(engine_client, logs: Logs) -> None:
-    """Nothing listens at decode_kv_addr: prefill answers 502 kv_connect_failed naming the address."""
+    """Nothing listens at decode_kv_addr: prefill answers 502 kv_connect_failed naming the address, and stops the prefill
+    (its cache is freed by the next step)."""
     prefill = await engine_client("prefill")
     dead = f"127.0.0.1:{free_port()}"
     status, body = await push(prefill, chat(), "t-dead", dead)
@@ -135,7 +138,8 @@ async def test_unreachable_decode_is_a_connect_failure_naming_the_address(engine
     assert dead in body["error"]["message"] and "refused" in body["error"]["message"].lower()
     line = logs.one("kv_producer.connect_failed")
     assert line["decode_kv_addr"] == dead and "Refused" in line["error"]
-    assert prefill.engine.scheduler.pool.reclaimable_blocks == prefill.engine.scheduler.pool.total_blocks
+    pool = prefill.engine.scheduler.pool
+    await wait_until(lambda: pool.reclaimable_blocks == pool.total_blocks)
 
 
 async def test_unclaimed_kv_is_freed_when_its_lease_expires(engine_client, logs: Logs) -> None:
@@ -231,7 +235,7 @@ async def test_receive_arrays_are_recycled_within_the_buffer_budget(engine_clien
 
 
 async def test_a_producer_that_stalls_mid_payload_loses_its_reservation(engine_client, logs: Logs) -> None:
-    """A connection that stops sending mid-payload is cut after kv_lease_ms; its bytes leave the buffer."""
+    """A connection that stops sending mid-payload is cut after kv_lease_ms of silence; its bytes leave the buffer."""
     decode = await engine_client("decode", kv={"kv_lease_ms": 200})
     model, consumer = decode.engine.model, decode.engine.handoff.consumer
     cfg, n = model.config, 4
@@ -246,6 +250,8 @@ async def test_a_producer_that_stalls_mid_payload_loses_its_reservation(engine_c
     await wait_until(lambda: consumer.buffer_used > 0)
 
     await wait_until(lambda: consumer.buffer_used == 0)
+    stalled = logs.one("kv_consumer.stalled")
+    assert stalled["transfer_id"] == "t-stall" and stalled["idle_ms"] >= 200 and stalled["received"] == segment_bytes
     line = logs.one("kv_consumer.incomplete")
     assert line["transfer_id"] == "t-stall" and line["received"] == segment_bytes and line["bytes"] == header.payload_bytes(0)
     writer.close()

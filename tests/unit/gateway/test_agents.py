@@ -8,6 +8,8 @@ are grammar-constrained, so they are valid whatever the weights). Driven by the 
   three turns (tool_choice any → tool_use, the client answers tool_result; the last turn ends in text);
 - a Codex-shaped session on /v1/responses through `client.responses.stream`: a function call →
   function_call_output → the final answer;
+- the openai Agents SDK (`openai-agents`) running its own tool loop on /v1/responses (tracing off: it would export
+  to OpenAI);
 - json_schema outputs on all three APIs, validated with `jsonschema`.
 These need the engine to do tools and structured outputs (gateway-engine's side of issue 10).
 """
@@ -171,6 +173,35 @@ async def test_codex_session(oai) -> None:
     async with oai.responses.stream(model=MODEL, input=items, tools=[tool], tool_choice="none", max_output_tokens=16) as stream:
         final = await _final(stream)
     assert [o.type for o in final.output] == ["message"] and final.status in ("completed", "incomplete")
+
+
+async def test_openai_agents_sdk_runs_its_tool_loop(oai) -> None:
+    """The Agents SDK's Runner: a forced function call, the SDK runs the tool and sends its output back (tool_choice
+    back to auto, its default reset_tool_choice), and the run ends with the agent's typed output (a json_schema
+    text.format: the grammar ends it, where free text from random weights would hit max_output_tokens, which the SDK
+    takes for a failure)."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool
+    from pydantic import BaseModel
+
+    class Done(BaseModel):
+        done: bool
+
+    ran = []
+
+    @function_tool
+    def list_files() -> str:
+        """List the files of the project."""
+        ran.append(True)
+        return "README.md\npd"
+
+    agent = Agent(name="coder", instructions="You are a coding agent.", tools=[list_files], output_type=Done,
+                  model=OpenAIResponsesModel(model=MODEL, openai_client=oai),
+                  model_settings=ModelSettings(tool_choice="required", max_tokens=64, temperature=0))
+    result = await Runner.run(agent, "List the files.", max_turns=3, run_config=RunConfig(tracing_disabled=True))
+    assert ran == [True]
+    kinds = [item.type for item in result.new_items]
+    assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"], kinds
+    assert isinstance(result.final_output, Done)
 
 
 async def test_json_schema_outputs_validate_on_all_three_apis(oai, claude) -> None:

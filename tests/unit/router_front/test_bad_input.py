@@ -72,7 +72,8 @@ WRONG_TYPES = [
     ("responses", {"max_output_tokens": 0}, "invalid_value", "max_output_tokens", "Invalid value for 'max_output_tokens': must be >= 1"),
     ("messages", {"max_tokens": None}, "missing_required_parameter", "max_tokens", "Missing required parameter: 'max_tokens'"),
     ("messages", {"stop_sequences": [""]}, "invalid_value", "stop_sequences", "Invalid value for 'stop_sequences'"),
-    ("messages", {"messages": [{"role": "system", "content": "x"}]}, "invalid_value", "messages[0].role", "expected 'user' or 'assistant'"),
+    ("messages", {"messages": [{"role": "tool", "content": "x"}]}, "invalid_value", "messages[0].role", "expected 'user', 'assistant' or 'system'"),
+    ("messages", {"messages": [{"role": "system", "content": "x"}]}, "invalid_value", "messages", "at least one user or assistant message"),
 ]
 
 
