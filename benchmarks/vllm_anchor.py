@@ -1,6 +1,6 @@
 """The engine anchor (not a test): the numpy engine and vLLM-CPU serving the SAME checkpoint, measured in one run.
 
-    flock /work/wt/_brief/bench.lock python -m benchmarks.vllm_anchor [--layers 8 --hidden 512 ...] [--repeat 3]
+    python -m benchmarks.vllm_anchor [--layers 8 --hidden 512 ...] [--repeat 3]
 
 One checkpoint (stack/engine/tiny_llama.py, the shape of dummy:small by default) is served in turn by
 `python -m stack.engine` (role both) and by `vllm serve` from scripts/vllm-cpu.sh's venv (float32, so both do the
