@@ -12,32 +12,30 @@ from tests.unit.router_pd.conftest import EngineProcess, wait_for_state
 CHAT = {"model": "your-model-id", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
 
 
-async def test_prefills_of_another_version_are_never_paired_and_decode_serves_alone_meanwhile(tmp_path, pd, logs):
+async def test_prefills_of_another_version_are_never_paired_and_decode_serves_alone_meanwhile(tmp_path, pd, logs, request):
     """Prefill v1 and v2 beside decode v1: every prefill leg goes to v1. With v1 gone, decode v1 answers by itself
     (router.model_version_split), and prefill v2 never pushes KV it could not use."""
     old, new, decode = (EngineProcess(role, tmp_path) for role in ("prefill", "prefill", "decode"))
+    for engine in (old, new, decode):
+        request.addfinalizer(engine.stop)  # all three, also when an assertion fails: none may outlive the test
     config = json.loads(new.config_path.read_text())
     new.config_path.write_text(json.dumps({**config, "seed": 1}))  # the next model version
-    try:
-        for engine in (old, new, decode):
-            engine.start()
-        for engine in (old, new, decode):
-            await engine.ready()
-        client = await pd([old, new], [decode])
-        fingerprints = client.monitor.fingerprints
-        assert fingerprints[old.url] == fingerprints[decode.url] != fingerprints[new.url]
-        assert client.health_snapshot()["pools"]["prefill"]["models"] == {fingerprints[old.url]: 1, fingerprints[new.url]: 1}
-        for i in range(4):
-            await client.complete(f"paired-{i}", "/v1/chat/completions", dict(CHAT))
-        assert len(old.events(events.ENGINE_REQUEST_RECEIVED)) == 4 and new.events(events.ENGINE_REQUEST_RECEIVED) == []
+    for engine in (old, new, decode):
+        engine.start()
+    for engine in (old, new, decode):
+        await engine.ready()
+    client = await pd([old, new], [decode])
+    fingerprints = client.monitor.fingerprints
+    assert fingerprints[old.url] == fingerprints[decode.url] != fingerprints[new.url]
+    assert client.health_snapshot()["pools"]["prefill"]["models"] == {fingerprints[old.url]: 1, fingerprints[new.url]: 1}
+    for i in range(4):
+        await client.complete(f"paired-{i}", "/v1/chat/completions", dict(CHAT))
+    assert len(old.events(events.ENGINE_REQUEST_RECEIVED)) == 4 and new.events(events.ENGINE_REQUEST_RECEIVED) == []
 
-        old.stop()
-        await wait_for_state(client, old.url, "down")
-        answer = await client.complete("split", "/v1/chat/completions", dict(CHAT))
-        assert answer["choices"][0]["finish_reason"] in ("length", "stop")
-        [split] = logs.events(events.ROUTER_VERSION_SPLIT)
-        assert (split["decode"], split["fingerprint"], split["request_id"]) == (decode.url, fingerprints[decode.url], "split")
-        assert new.events(events.ENGINE_REQUEST_RECEIVED) == [], "a prefill of another model version got a request"
-    finally:  # every engine, also when an assertion fails: none may outlive the test
-        for engine in (old, new, decode):
-            engine.stop()
+    old.stop()
+    await wait_for_state(client, old.url, "down")
+    answer = await client.complete("split", "/v1/chat/completions", dict(CHAT))
+    assert answer["choices"][0]["finish_reason"] in ("length", "stop")
+    [split] = logs.events(events.ROUTER_VERSION_SPLIT)
+    assert (split["decode"], split["fingerprint"], split["request_id"]) == (decode.url, fingerprints[decode.url], "split")
+    assert new.events(events.ENGINE_REQUEST_RECEIVED) == [], "a prefill of another model version got a request"
