@@ -1,24 +1,44 @@
-"""Engine micro-benchmarks with ratios to baselines measured in the same run (not a test).
+"""Engine benchmarks at agent scale, each figure next to its machine bound measured in the same run (not a test).
 
-    python -m benchmarks.engine [--model dummy:small] [--prompt 800] [--repeat 3]
-    OPENBLAS_NUM_THREADS=1 python -m benchmarks.engine --clock cpu   # one core, CPU time
+    python -m benchmarks.engine [--model dummy:small] [--repeat 3] [--quick]
+    python -m benchmarks.engine --prefill 1024,4096 --contexts 800 --batches 1,8   # any subset
 
-Sections run in order and share a `Bench` record (_common.py): baselines first (numpy GEMM peak,
-memory copy bandwidth, loopback socket bandwidth), then prefill, decode and the KV transfer
-(kv_transfer.py, also runnable alone). Add figures by appending a function to `SECTIONS`.
-Thread count: whatever numpy/OpenBLAS uses in this process (set OPENBLAS_NUM_THREADS to pin it);
-every figure and its baseline use the same one.
+Sections run in order and share a `Bench` record (_common.py): baselines first (numpy GEMM rate, memory copy
+bandwidth, loopback socket bandwidth, the BLAS threadpoolctl sees), then
+- prefill tok/s of --prefill prompts (default 1k, 4k, 16k, 32k), fed in --chunk token chunks as the scheduler
+  does with chunked_prefill, against FLOPs (weights + causal attention) / the GEMM rate;
+- decode tok/s at --batches (1, 8, 32) x --contexts (800, 8k), every sequence in its own pool blocks, against
+  (weights + the batch's KV) bytes per step / the copy bandwidth;
+- peak resident memory of the longest prefill and of the largest batch x context (sampled while it runs);
+- attention on one thread vs spread over the cores (paired runs), for the largest decode batch and a prefill;
+- is numpy the limit: one layer's decode attention, numpy vs a compiled paged kernel (attention_kernels.py, numba);
+- the KV transfer (kv_transfer.py), and the GEMM rate again (drift = the machine's load changed).
+--quick: prefill 1k and 4k, context 800 only. Thread count: whatever numpy/OpenBLAS uses in this process
+(set OPENBLAS_NUM_THREADS to pin it); every figure and its bound use the same one.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import numpy as np
 
-from benchmarks import _common
+from benchmarks import _common, attention_kernels
 from benchmarks._common import Bench, Section, best_time, socket_bandwidth
 from benchmarks.kv_transfer import kv_transfer
-from stack.engine.kv_cache import KVCache
+from stack.engine.kv_cache import KVCache, KVPool
 from stack.engine.model import Model, Segment, forward
+
+FULL = {"prefill": [1024, 4096, 16384, 32768], "contexts": [800, 8192], "batches": [1, 8, 32]}
+QUICK = {"prefill": [1024, 4096], "contexts": [800], "batches": [1, 8, 32]}
+POINTS: dict[str, list[int]] = dict(FULL)  # set from the command line before the sections run
+CHUNK = [2048]  # prefill chunk (the scheduler's default max_num_batched_tokens)
+DECODE_STEPS = 4  # timed decode steps per run
 
 
 def measure_gemm(bench: Bench) -> float:
@@ -46,6 +66,18 @@ def copy_bandwidth(bench: Bench) -> None:
     bench.report("memory copy bandwidth (read + write)", f"{gbps:8.1f} GB/s")
 
 
+def blas(bench: Bench) -> None:
+    """Which BLAS library, kernel (core type) and thread count numpy runs on, as threadpoolctl sees them."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        bench.report("BLAS", "unknown", "(pip install threadpoolctl to see the kernel)")
+        return
+    for pool in threadpool_info():
+        bench.report(f"{pool.get('internal_api')} {pool.get('version')}", f"{pool.get('num_threads')} threads",
+                     f"kernel {pool.get('architecture', '-')}, {pool.get('threading_layer', '-')} threading")
+
+
 def prefill_flops(model: Model, T: int) -> float:
     """Useful FLOPs of a T-token prefill: 2 * matmul weights * T, causal attention, last-token lm_head."""
     cfg, w = model.config, model.weights
@@ -54,107 +86,199 @@ def prefill_flops(model: Model, T: int) -> float:
     return 2 * layer_params * T + attention + 2 * w.lm_head.size
 
 
+def pool_for(model: Model, tokens: int) -> KVPool:
+    return KVPool(model.config, (tokens + 64) * model.config.kv_bytes_per_token, 16)
+
+
+def prefill_into(model: Model, cache: KVCache, tokens: np.ndarray) -> None:
+    """`tokens` through `forward` in CHUNK-sized chunks, as a chunked prefill runs."""
+    for lo in range(0, len(tokens), CHUNK[0]):
+        forward(model, [Segment(tokens[lo : lo + CHUNK[0]], cache, lo)])
+
+
 def prefill(bench: Bench) -> None:
-    model, T = bench.model, bench.prompt_tokens
-    tokens = np.random.default_rng(1).integers(0, model.config.vocab_size, T)  # (T,)
-    cache = KVCache(model.config, T)
+    """Prefill tok/s per prompt length against FLOPs / GEMM rate; peak RSS of the longest."""
+    model, peak = bench.model, bench.baselines["gemm_gflops"] * 1e9
+    for T in fitting(model, POINTS["prefill"]):
+        tokens = np.random.default_rng(1).integers(0, model.config.vocab_size, T)  # (T,)
+        pool = pool_for(model, T)
+        runs = 1 if T >= 16384 else bench.repeat  # a 32k prefill takes minutes: its best-of is one run
 
-    def run() -> None:
-        cache.length = 0
-        forward(model, [Segment(tokens, cache, 0)])
+        def run() -> None:
+            cache = pool.allocate(T)
+            assert cache is not None
+            prefill_into(model, cache, tokens)
+            pool.free(cache)
 
-    run()  # warm-up
-    seconds = best_time(run, bench.repeat, bench.clock)
-    gflops = prefill_flops(model, T) / seconds / 1e9
-    peak = bench.baselines["gemm_gflops"]
-    bench.report(f"prefill {T} tokens ({seconds * 1e3:.0f} ms)", f"{T / seconds:8.0f} tok/s")
-    bench.report("prefill achieved compute", f"{gflops:8.1f} GFLOP/s", f"{gflops / peak:.2f} x GEMM peak (target >= 0.6)")
-    # Load on a shared machine drifts within seconds: pair each prefill with a GEMM run right before it.
-    a = np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32)  # (2048, 2048)
-    ratios = []
-    for _ in range(bench.repeat):
-        gemm = 2 * 2048**3 / best_time(lambda: a @ a, 1, bench.clock)
-        ratios.append(prefill_flops(model, T) / best_time(run, 1, bench.clock) / gemm)
-    bench.report("prefill / GEMM, paired runs (median)", f"{float(np.median(ratios)):8.2f}",
-                 f"range {min(ratios):.2f}-{max(ratios):.2f} over {bench.repeat} pairs")
+        with rss_peak() as rss:
+            seconds = best_time(run, runs, bench.clock)
+        bound = peak / prefill_flops(model, T) * T  # tok/s at the GEMM rate
+        bench.report(f"prefill {T:>5} tokens, chunk {CHUNK[0]} ({seconds:6.1f} s)", f"{T / seconds:8.0f} tok/s",
+                     f"bound {bound:6.0f} tok/s: {T / seconds / bound:.2f} x (goal >= 0.5 at 16k)")
+        if T == max(fitting(model, POINTS["prefill"])):
+            bench.report(f"peak RSS of the {T}-token prefill", f"{rss['peak'] / 2**20:8.0f} MiB",
+                         f"{rss['before'] / 2**20:.0f} MiB before (model, earlier sections)")
 
 
 def decode(bench: Bench) -> None:
-    """Decode steps at batch 1, 8, 32, at a ~prompt_tokens context and at a short one.
-
-    Two memory roofs: weights only (the target: batch 1 >= 0.5 of it) and weights + the KV cache
-    every sequence reads per step, which dominates at long contexts and large batches.
-    """
+    """Decode tok/s per batch x context against (weights + KV bytes) / copy bandwidth; peak RSS of the largest."""
     model, bw = bench.model, bench.baselines["copy_gbps"] * 1e9
     weight_bytes = model.weights.decode_bytes
-    bound = bw / weight_bytes  # steps/s if only weight reads counted
-    bench.report("decode weight bytes per step", f"{weight_bytes / 1e6:8.1f} MB", f"weights-only bound {bound:.0f} steps/s")
-    for context in (bench.prompt_tokens, 32):
-        for batch in (1, 8, 32):
-            seconds = decode_step_seconds(bench, batch, context)
-            kv_bound = batch * bw / (weight_bytes + batch * context * model.config.kv_bytes_per_token)
-            ratio = f"{batch / seconds / kv_bound:.2f} x weights+KV bound"
-            if batch == 1 and context == bench.prompt_tokens:
-                ratio = f"{1 / seconds / bound:.2f} x weights-only bound (target >= 0.5); " + ratio
-            bench.report(f"decode batch {batch:>2}, context {context:>4} ({seconds * 1e3:5.1f} ms/step)",
-                         f"{batch / seconds:8.0f} tok/s", ratio)
+    bench.report("decode weight bytes per step", f"{weight_bytes / 1e6:8.1f} MB")
+    contexts, batches = fitting(model, POINTS["contexts"], DECODE_STEPS * (bench.repeat + 1)), POINTS["batches"]
+    for context in contexts:
+        source = KVCache(model.config, context)
+        prefill_into(model, source, np.random.default_rng(2).integers(0, model.config.vocab_size, context))
+        k, v = source.k[:, :context], source.v[:, :context]  # (n_layers, context, KV, hd) each
+        for batch in batches:
+            largest = context == max(contexts) and batch == max(batches)
+            with rss_peak() as rss:
+                seconds = decode_step_seconds(bench, batch, context, k, v)
+            step_bytes = weight_bytes + batch * context * model.config.kv_bytes_per_token
+            bound = batch * bw / step_bytes  # tok/s if the step only streamed its bytes
+            bench.report(f"decode batch {batch:>2}, context {context:>5} ({seconds * 1e3:6.1f} ms/step)",
+                         f"{batch / seconds:8.0f} tok/s",
+                         f"bound {bound:6.0f} tok/s: {batch / seconds / bound:.2f} x (goal >= 0.5 at batch 32)")
+            if largest:
+                bench.report(f"peak RSS of batch {batch} x {context}", f"{rss['peak'] / 2**20:8.0f} MiB",
+                             f"{rss['before'] / 2**20:.0f} MiB before; KV {batch * context * model.config.kv_bytes_per_token / 2**20:.0f} MiB")
 
 
-def decode_split(bench: Bench) -> None:
-    """The decode batch's attention on one thread vs split over the process's cores (model.attention_groups), in
-    alternating paired runs so a drifting load on a shared machine hits both alike (median of the pairs)."""
-    from stack.engine import model as model_module
-
-    measured = model_module.attention_threads  # swapped per run below, restored at the end
-    threads = measured()
-    if threads == 1:
-        bench.report("decode attention split", "skipped", "one core (or OPENBLAS_NUM_THREADS=1): nothing to split over")
-        return
-    bw, weight_bytes = bench.baselines["copy_gbps"] * 1e9, bench.model.weights.decode_bytes
-    for batch in (8, 32):
-        context = bench.prompt_tokens
-        kv_bound = batch * bw / (weight_bytes + batch * context * bench.model.config.kv_bytes_per_token)
-        one, split = [], []
-        for _ in range(bench.repeat):
-            model_module.attention_threads = lambda: 1  # type: ignore[assignment]
-            one.append(decode_step_seconds(bench, batch, context, steps=4))
-            model_module.attention_threads = lambda: threads  # type: ignore[assignment]
-            split.append(decode_step_seconds(bench, batch, context, steps=4))
-        model_module.attention_threads = measured  # type: ignore[assignment]
-        speedup = float(np.median(np.array(one) / np.array(split)))
-        bench.report(f"decode batch {batch:>2}, context {context}, attention on {threads} threads",
-                     f"{batch / min(split):8.0f} tok/s",
-                     f"{batch / min(split) / kv_bound:.2f} x weights+KV bound; {speedup:.2f} x one thread (paired median)")
-
-
-def decode_step_seconds(bench: Bench, batch: int, context: int, steps: int = 8) -> float:
-    """Best wall time of one decode step over `batch` sequences that each hold `context` tokens."""
-    model = bench.model
-    source = KVCache(model.config, context)
-    forward(model, [Segment(np.random.default_rng(2).integers(0, model.config.vocab_size, context), source, 0)])
+def decode_caches(bench: Bench, batch: int, context: int, k: np.ndarray, v: np.ndarray) -> list[KVCache]:
+    """`batch` sequences that each hold a copy of `k`, `v` in their own pool blocks (the pool is sized for them: the
+    tables are long consecutive runs, as after a quiet admission), with room for the timed steps."""
+    room = context + DECODE_STEPS * (bench.repeat + 1)
+    pool = pool_for(bench.model, batch * (room + 16))
     caches = []
-    for _ in range(batch):  # clone the prefilled context instead of prefilling `batch` times
-        cache = KVCache(model.config, context + steps * (bench.repeat + 1))
-        cache.k[:, :context], cache.v[:, :context], cache.length = source.k, source.v, context
+    for _ in range(batch):  # copy the prefilled context instead of prefilling `batch` times
+        cache = pool.allocate(room)
+        assert cache is not None
+        cache.k[:, :context], cache.v[:, :context] = k, v
+        cache.set_length(context)
         caches.append(cache)
+    return caches
+
+
+def decode_step_seconds(bench: Bench, batch: int, context: int, k: np.ndarray, v: np.ndarray) -> float:
+    """Best wall time of one decode step over `decode_caches`."""
+    model, caches = bench.model, decode_caches(bench, batch, context, k, v)
     tokens = np.zeros(1, np.int64)  # (1,)
 
     def step() -> None:
         forward(model, [Segment(tokens, c, c.length) for c in caches])
 
     step()  # warm-up
-    return best_time(lambda: [step() for _ in range(steps - 1)], bench.repeat, bench.clock) / (steps - 1)
+    return best_time(lambda: [step() for _ in range(DECODE_STEPS)], bench.repeat, bench.clock) / DECODE_STEPS
+
+
+def attention_split(bench: Bench) -> None:
+    """Attention's tasks on one thread vs spread over the process's cores (model.attention_groups), for the largest
+    decode batch at the first context and the second prefill point, in alternating paired runs so a drifting load on
+    a shared machine hits both alike (median of the pairs)."""
+    from stack.engine import model as model_module
+
+    measured = model_module.attention_threads  # swapped per run below, restored at the end
+    threads = measured()
+    if threads == 1:
+        bench.report("attention split", "skipped", "one core (or OPENBLAS_NUM_THREADS=1): nothing to split over")
+        return
+    model = bench.model
+    context, batch = fitting(model, POINTS["contexts"], DECODE_STEPS * (bench.repeat + 1))[0], max(POINTS["batches"])
+    T = fitting(model, POINTS["prefill"])[min(1, len(POINTS["prefill"]) - 1)]
+    source = KVCache(model.config, context)
+    prefill_into(model, source, np.random.default_rng(2).integers(0, model.config.vocab_size, context))
+    tokens = np.random.default_rng(1).integers(0, model.config.vocab_size, T)  # (T,)
+
+    def prefill_seconds() -> float:
+        return best_time(lambda: prefill_into(model, KVCache(model.config, T), tokens), 1, bench.clock)
+
+    arms = {f"decode batch {batch}, context {context}": lambda: decode_step_seconds(bench, batch, context, source.k[:, :context],
+                                                                                   source.v[:, :context]),
+            f"prefill {T} tokens": prefill_seconds}
+    try:
+        for label, seconds in arms.items():
+            one, split = [], []
+            for _ in range(bench.repeat):
+                model_module.attention_threads = lambda: 1  # type: ignore[assignment]
+                one.append(seconds())
+                model_module.attention_threads = lambda: threads  # type: ignore[assignment]
+                split.append(seconds())
+            bench.report(f"{label}: attention on {threads} threads", f"{float(np.median(np.array(one) / np.array(split))):8.2f} x",
+                         "one thread's time / split time (paired median)")
+    finally:
+        model_module.attention_threads = measured  # type: ignore[assignment]
+
+
+def numba_decode(bench: Bench) -> None:
+    """One layer's attention of the largest decode batch, numpy path vs a compiled paged kernel (attention_kernels.py)."""
+    model, batch = bench.model, max(POINTS["batches"])
+    for context in fitting(model, POINTS["contexts"], DECODE_STEPS * (bench.repeat + 1)):
+        source = KVCache(model.config, context)
+        prefill_into(model, source, np.random.default_rng(2).integers(0, model.config.vocab_size, context))
+        caches = decode_caches(bench, batch, context, source.k[:, :context], source.v[:, :context])
+        attention_kernels.compare(bench, caches, f"batch {batch} x {context}")
+
+
+def fitting(model: Model, points: list[int], slack: int = 0) -> list[int]:
+    """The points the model's context holds (dummy:tiny stops at 512)."""
+    return [p for p in points if p + slack <= model.config.max_seq_len]
+
+
+@contextmanager
+def rss_peak(interval_s: float = 0.01) -> Iterator[dict[str, int]]:
+    """Resident bytes before and at the peak of the block, sampled from /proc/self/statm every `interval_s`."""
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    out = {"before": resident(), "peak": resident()}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(interval_s):
+            out["peak"] = max(out["peak"], resident())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield out
+    finally:
+        done.set()
+        sampler.join()
+        out["peak"] = max(out["peak"], resident())
 
 
 def stability(bench: Bench) -> None:
     """GEMM again at the end: on a shared machine a large drift means the ratios above are unreliable."""
     drift = measure_gemm(bench) / bench.baselines["gemm_gflops"]
-    bench.report("GEMM at end / GEMM at start", f"{drift:8.2f}", "(far from 1.0: the machine's load changed)")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    bench.report("GEMM at end / GEMM at start", f"{drift:8.2f}", f"(far from 1.0: the load changed); load average {load}")
 
 
 # Append a section (a function taking the `Bench`) to add figures; baselines run first.
-SECTIONS: list[Section] = [gemm_peak, copy_bandwidth, socket_bandwidth, prefill, decode, decode_split, kv_transfer, stability]
+SECTIONS: list[Section] = [gemm_peak, copy_bandwidth, blas, socket_bandwidth, prefill, decode, attention_split, numba_decode,
+                           kv_transfer, stability]
+
+
+def points(argv: list[str]) -> list[str]:
+    """Read this benchmark's own flags into POINTS / CHUNK; the rest go to the shared CLI."""
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--quick", action="store_true", help="prefill 1k and 4k, context 800 only")
+    parser.add_argument("--prefill", type=ints, help="prompt lengths, comma-separated")
+    parser.add_argument("--contexts", type=ints, help="decode contexts, comma-separated")
+    parser.add_argument("--batches", type=ints, help="decode batch sizes, comma-separated")
+    parser.add_argument("--chunk", type=int, default=CHUNK[0], help="prefill chunk in tokens")
+    args, rest = parser.parse_known_args(argv)
+    POINTS.update(QUICK if args.quick else FULL)
+    POINTS.update({key: getattr(args, key) for key in ("prefill", "contexts", "batches") if getattr(args, key)})
+    CHUNK[0] = args.chunk
+    print(f"points: prefill {POINTS['prefill']}, decode contexts {POINTS['contexts']} x batches {POINTS['batches']}, "
+          f"chunk {CHUNK[0]}")
+    return rest
 
 
 if __name__ == "__main__":
-    _common.main(__spec__.name, "engine", __doc__.splitlines()[0], SECTIONS)
+    _common.main(__spec__.name, "engine", __doc__.splitlines()[0], SECTIONS, points(sys.argv[1:]))

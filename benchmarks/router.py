@@ -90,7 +90,9 @@ def _bare_pd_app(prefill: str, decode: str) -> web.Application:
     from stack.common.errors import error_middleware
     from stack.common.sse import frame, open_stream, send_done
     from stack.router.backends import PoolConfig
+    from stack.protocol.parse import parse
     from stack.router.config import RouterConfig
+    from stack.router.fleet import Fleet
     from stack.router.metrics import Metrics
     from stack.router.pd import PDClient
     from stack.router.upstream import new_session
@@ -102,10 +104,11 @@ def _bare_pd_app(prefill: str, decode: str) -> web.Application:
         body = await request.json()
         rid = request.headers.get("X-Request-ID", "bench")
         pd = request.app[client_key]
-        if not body.get("stream"):
-            return web.json_response(await pd.complete(rid, "/v1/chat/completions", body))
+        req = parse("chat", body)  # what the API front end hands the PD flow: the parsed request and its body
+        if not req.stream:
+            return web.json_response(await pd.complete(rid, "/v1/chat/completions", req, body))
         stream = await open_stream(request)
-        async with aclosing(pd.stream(rid, "/v1/chat/completions", body)) as batches:
+        async with aclosing(pd.stream(rid, "/v1/chat/completions", req, body)) as batches:
             async for batch in batches:
                 await stream.write(b"".join(frame(chunk) for chunk in batch))
         await send_done(stream)
@@ -115,11 +118,12 @@ def _bare_pd_app(prefill: str, decode: str) -> web.Application:
         async with new_session() as session:
             config = RouterConfig(prefill=PoolConfig(endpoint=prefill, max_concurrent=256), decode=PoolConfig(endpoint=decode, max_concurrent=256),
                                   scheduler=SchedulerConfig(health_interval_ms=0))
-            pd = PDClient(config, session, Metrics())
-            await pd.start()
-            app[client_key] = pd
+            metrics = Metrics()
+            fleet = Fleet(config, session, metrics)
+            await fleet.start()
+            app[client_key] = PDClient(fleet, metrics)
             yield
-            await pd.close()
+            await fleet.close()
 
     app = web.Application(middlewares=[error_middleware()])
     app.cleanup_ctx.append(lifecycle)

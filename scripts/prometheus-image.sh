@@ -10,23 +10,23 @@ source "$(dirname "$0")/common.sh"
 PROMETHEUS_IMAGE="${PROMETHEUS_IMAGE:-pd-deploy/prometheus:2.42}"
 if have_image "$PROMETHEUS_IMAGE"; then echo "$PROMETHEUS_IMAGE"; exit 0; fi
 if [[ "$PROMETHEUS_IMAGE" != pd-deploy/prometheus:* ]]; then
-    docker pull "$PROMETHEUS_IMAGE" >&2 || die "Prometheus image $PROMETHEUS_IMAGE is not available"
+    quietly docker-pull docker pull "$PROMETHEUS_IMAGE" || die "Prometheus image $PROMETHEUS_IMAGE is not available"
     echo "$PROMETHEUS_IMAGE"; exit 0
 fi
 
-say "building $PROMETHEUS_IMAGE from Debian packages (prometheus 2.42 + promtool; about a minute)"
+say "building $PROMETHEUS_IMAGE from Debian packages (prometheus 2.42 + promtool; about a minute; output in $(step_log prometheus-image))"
 debian_sources
 
 tar="$CACHE/prometheus-bookworm.tar"
 trap 'rm -f "$tar"' EXIT
 # No recommends (node-exporter); busybox gives the healthcheck a `wget`. /prometheus is the TSDB,
 # writable by nobody, the user the server runs as.
-mmdebstrap --quiet --variant=minbase --include=prometheus,busybox --aptopt='APT::Install-Recommends "false"' \
+quietly prometheus-image mmdebstrap --quiet --variant=minbase --include=prometheus,busybox --aptopt='APT::Install-Recommends "false"' \
     --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
     --dpkgopt='path-exclude=/usr/share/locale/*' \
     --customize-hook='truncate -s 0 "$1/etc/resolv.conf" "$1/etc/hostname"' \
     --customize-hook='mkdir -p "$1/prometheus" && chown 65534:65534 "$1/prometheus"' \
-    bookworm "$tar" "${sources[@]}" >&2
+    bookworm "$tar" "${sources[@]}"
 docker import -c 'USER nobody' -c 'WORKDIR /prometheus' -c 'EXPOSE 9090' \
     -c 'ENTRYPOINT ["/usr/bin/prometheus"]' \
     -c 'CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus"]' \

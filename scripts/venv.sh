@@ -14,8 +14,8 @@ fi
     || die "$PYTHON is $("$PYTHON" --version 2>&1); pd-deploy needs Python >= 3.11 (set PYTHON=...)"
 if [[ ! -x "$VENV/bin/python" ]]; then
     say "creating $VENV"
-    "$PYTHON" -m venv "$VENV"
+    quietly venv "$PYTHON" -m venv "$VENV"
 fi
-say "installing the project and its dev extra into .venv"
-"$VENV/bin/pip" install --quiet -e "$REPO[dev]"
+say "installing the project and its dev extra into .venv (pip; output in $(step_log venv))"
+quietly venv "$VENV/bin/pip" install --quiet -e "$REPO[dev]"
 echo "$want" >"$stamp"

@@ -20,9 +20,9 @@ echo 'async-timeout>=4.0.3' >>"$reqs"
 if [[ -f "$wheels/requirements.txt" ]] && cmp -s "$reqs" "$wheels/requirements.txt"; then
     exit 0
 fi
-say "downloading the runtime wheelhouse into .cache/wheels"
+say "downloading the runtime wheelhouse into .cache/wheels (pip; output in $(step_log wheelhouse))"
 rm -f "$wheels"/*.whl
 # cp311 wheels: both python:3.11-slim and Debian bookworm's python3 are 3.11.
-"$VENV/bin/pip" download --quiet --only-binary=:all: --python-version 3.11 \
+quietly wheelhouse "$VENV/bin/pip" download --quiet --only-binary=:all: --python-version 3.11 \
     --dest "$wheels" -r "$reqs"
 cp "$reqs" "$wheels/requirements.txt"

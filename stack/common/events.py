@@ -196,7 +196,7 @@ CLIENT_ASKED = Field("client_asked", bool, True, "the client itself sent stream_
 CAPABILITIES = Field("capabilities", list, ["tools", "structured_outputs"],
                      "capability flags (stack.protocol.capabilities.Capabilities field names) that are set")
 PARAM = Field("param", str, "tool_choice", "the request parameter, as the client named it")
-DEADLINE_MS = Field("deadline_ms", int, 120000, "[scheduler] deadline_ms")
+DEADLINE_MS = Field("deadline_ms", int, 120000, "[scheduler] deadline_ms, plus a long prompt's prefill work (deadlines.py)")
 WORST_CASE_S = Field("worst_case_s", dict, {"first_byte_s": 120.0}, "the request time bounds computed from the settings")
 # Any service: abuse limits and liveness
 STALLED_S = Field("stalled_s", float, 31.2, "how long the event loop did not tick")
@@ -334,7 +334,7 @@ ROUTER_QUEUE_FULL = Event("router.queue_full", ROUTER, "rejected with 429/503: t
 ROUTER_PREFILL_DONE = Event("router.prefill_done", ROUTER, "the prefill leg answered with its kv_transfer_params",
                             required=(PREFILL_URL, PREFILL_MS, TRANSFER_ID))
 ROUTER_PREFILL_FAILED = Event("router.prefill_failed", ROUTER, "the prefill leg failed (retried or not)",
-                              required=(PREFILL_URL, STATUS, ERROR, ATTEMPT, RETRIED), level="WARNING")
+                              required=(PREFILL_URL, STATUS, ERROR, ATTEMPT, RETRIED), optional=(DECODE_URL, CODE), level="WARNING")
 ROUTER_KV_HANDOFF = Event("router.kv_handoff", ROUTER, "the decode leg starts with prefill's kv_transfer_params",
                           required=(DECODE_URL, TRANSFER_ID, KV_TRANSFER_PARAMS))
 ROUTER_DECODE_FIRST_TOKEN = Event("router.decode_first_token", ROUTER, "decode's first chunk reached the router",
@@ -348,8 +348,8 @@ ROUTER_CLIENT_DISCONNECTED = Event("router.client_disconnected", ROUTER, "the cl
 ROUTER_REQUEST_DONE = Event("router.request_done", ROUTER, "a generation request ended (status as the client saw it)",
                             required=(API, KEY_NAME, STATUS, ERROR, PROMPT_TOKENS, COMPLETION_TOKENS, E2E_MS))
 ROUTER_DEADLINE_EXCEEDED = Event("router.deadline_exceeded", ROUTER,
-                                 "no first byte (or non-streamed answer) within [scheduler] deadline_ms (504)",
-                                 required=(DEADLINE_MS, STREAM), level="WARNING")
+                                 "no first byte (or non-streamed answer) within the request's deadline (504; deadlines.py)",
+                                 required=(DEADLINE_MS, STREAM), optional=(PROMPT_TOKENS,), level="WARNING")
 ROUTER_BOUNDS = Event("router.bounds", ROUTER, "at start: the worst-case request times computed from the settings",
                       required=(WORST_CASE_S,))
 ROUTER_USAGE_CHUNK = Event("router.usage_chunk", ROUTER, "a stream ended with the usage chunk whose choices is []",
@@ -398,6 +398,12 @@ DISCOVERY_FAILED = Event("discovery.failed", ROUTER, "a discover name could not 
 ROUTER_VERSION_SPLIT = Event("router.model_version_split", ROUTER,
                              "no usable prefill runs this decode's model (a rolling update): decode serves the request alone",
                              required=(DECODE_URL, FINGERPRINT), level="WARNING")
+
+# -- start-up failures (issue 20) --------------------------------------------------------------------
+PORT_OWNER = Field("owner", str, "python3 (pid 4242)", "the process listening on the port, when /proc shows it")
+SETTING = Field("setting", str, "[server] port (settings.toml) or --port", "what to change to use another port")
+SERVICE_PORT_IN_USE = Event("service.port_in_use", ANY, "the HTTP or health port is taken by another process: the service exits 2",
+                            required=(PORT, SETTING), optional=(PORT_OWNER,), level="ERROR")
 
 ALL: Mapping[str, Event] = {value: value for value in dict(globals()).values() if isinstance(value, Event)}
 

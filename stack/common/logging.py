@@ -95,6 +95,7 @@ def redact(text: str) -> str:
     return _TOKEN_PATTERN.sub(lambda m: (m.group(1) or "") + "[REDACTED]", text)
 
 
+# The stdlib encoder, not orjson: the lines keep json.dumps' `"key": value` spacing, which readers grep for.
 _ENCODER = json.JSONEncoder(default=str, ensure_ascii=False)  # one encoder, not one per line
 
 
@@ -244,14 +245,19 @@ def _problem(event: str, declared: events.Event | None, fields: dict[str, Any], 
             f"(required=… is on every call, optional=… on some)")
 
 
+# Set on a request whose service logged its own summary line (the router's router.request_done: status and
+# duration included): the access line would repeat it, so it is left out and the hop keeps one line.
+SUMMARY_LOGGED = web.RequestKey("summary_logged", bool)
+
+
 class AccessLogger(AbstractAccessLogger):
-    """aiohttp access lines as `http.access` events that keep the request id.
+    """aiohttp access lines as `http.access` events that keep the request id (none for a request with SUMMARY_LOGGED).
 
     aiohttp writes the access log after middleware context has ended, so the id is read from the
     request (set there by the request-id middleware) rather than from the logging context.
     """
 
     def log(self, request, response, time: float) -> None:  # type: ignore[override]
-        if _Output.min_level <= _LEVELS["INFO"]:
+        if _Output.min_level <= _LEVELS["INFO"] and not request.get(SUMMARY_LOGGED):
             _write("INFO", events.HTTP_ACCESS, request.get(REQUEST_ID, "-"), f"{request.method} {request.path} {response.status}",
                    {"method": request.method, "path": request.path, "status": response.status, "duration_ms": round(time * 1000, 2)})

@@ -25,8 +25,10 @@ periodSeconds × failureThreshold) it logs `service.liveness_failed` and exits 7
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -39,6 +41,52 @@ from stack.common.health_probe import SERVING, probe
 from stack.common.logging import AccessLogger, _Output, log_event
 
 LIVENESS_EXIT_CODE = 70  # EX_SOFTWARE: the process is alive but does not answer its own health check
+
+
+class PortInUse(Exception):
+    """The HTTP or health port is taken; `owner` names the process listening there when /proc shows it."""
+
+    def __init__(self, port: int, kind: str, owner: str | None) -> None:
+        super().__init__(f"{kind} port {port} is already in use" + (f" by {owner}" if owner else ""))
+        self.port, self.kind, self.owner = port, kind, owner
+
+
+def _check_free(host: str, port: int, kind: str) -> None:
+    if not port:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe_socket:
+        probe_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is not "in use"
+        try:
+            probe_socket.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUse(port, kind, port_owner(port)) from None
+            raise
+
+
+def port_owner(port: int) -> str | None:
+    """`comm (pid N)` of the process listening on TCP `port`, from /proc (None: not Linux, or not ours to see)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as rows:
+                next(rows)
+                for row in rows:
+                    fields = row.split()  # sl local_address rem_address st ... inode
+                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                        inodes.add(f"socket:[{fields[9]}]")
+        except OSError:
+            continue
+    if not inodes:
+        return None
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                with open(f"/proc/{pid}/comm") as comm:
+                    return f"{comm.read().strip()} (pid {pid})"
+        except OSError:  # another user's process, or one that just exited
+            continue
+    return None
 
 
 class LivenessWatchdog:
@@ -99,6 +147,10 @@ async def serve(
     (its keepalive_timeout); engines keep it above the router's client keep-alive (30 s) so they never close a
     connection the router is about to reuse."""
     stop_delay_s = float(os.environ.get("PD_STOP_DELAY_S") or 0)  # read at start: a bad value fails now, not at stop
+    # Before anything starts: a taken port is one line (PortInUse), not a traceback after the app's start-up ran
+    # (grpcio would also print its own C-level lines).
+    _check_free(host, port, "HTTP")
+    _check_free(host, health_port, "gRPC health")
     health = await start_health_server(health_port, host)
     # handler_cancellation: a client that disconnects cancels its handler, so a non-streamed request
     # stops its upstream work too (the router's PD legs, the engine's sequence). aiohttp's TestServer,

@@ -12,11 +12,12 @@ what arrived together in one write.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import StreamReader, web
+
+from stack.common import fastjson
 
 DONE = "[DONE]"
 
@@ -38,9 +39,8 @@ async def open_stream(request: web.Request, headers: dict[str, str] | None = Non
 
 def frame(data: dict[str, Any] | str, event: str | None = None) -> bytes:
     """One SSE frame: optional `event:` line, one `data:` line, blank line."""
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {payload}\n\n".encode()
+    payload = data.encode() if isinstance(data, str) else fastjson.dumps(data)
+    return b"".join((b"event: ", event.encode(), b"\ndata: ", payload, b"\n\n")) if event else b"data: " + payload + b"\n\n"
 
 
 async def send_event(stream: web.StreamResponse, data: dict[str, Any] | str, event: str | None = None) -> None:
@@ -72,11 +72,12 @@ async def read_event_batches(content: StreamReader) -> AsyncIterator[list[tuple[
     data_lines: list[str] = []
     pending = b""  # an incomplete last line (possibly a split UTF-8 sequence) waits for more bytes
     async for block in content.iter_any():
-        lines = (pending + block).split(b"\n") if pending else block.split(b"\n")
-        pending = lines.pop()
+        data = pending + block if pending else block
+        complete = data.rfind(b"\n") + 1  # b"\n" never occurs inside a UTF-8 sequence: the complete lines decode at once
+        pending = data[complete:]
         batch: list[tuple[str | None, str]] = []
-        for raw in lines:
-            line = raw.decode("utf-8").rstrip("\r")
+        for line in data[:complete].decode("utf-8").split("\n")[:-1]:
+            line = line.rstrip("\r")
             if not line:
                 if data_lines:
                     batch.append((event, "\n".join(data_lines)))

@@ -1,11 +1,13 @@
 """A Llama-family decoder in numpy: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
 
 One `forward` serves both phases over a flattened ragged batch (like vLLM): the new tokens of every
-segment go through the matmuls together as one (N, dim) matrix; attention runs per segment against
-that segment's own `KVCache`, the segments of a large step split over the process's cores
-(`attention_groups`: a decode batch's attention reads every sequence's whole cache, so it is the
-memory-bound part of the step). Prefill is one segment with T = len(prompt), decode is many T = 1
-segments, and a colocated step mixes both in one call. The `Model` holds no per-request state.
+segment go through the matmuls together as one (N, dim) matrix (BLAS spreads them over the cores);
+attention reads each segment's keys where they lie in the paged pool (attention.py). Its work is cut
+into tasks (a decode segment, or a block of QUERY_BLOCK queries of a prefill) that a large step
+spreads over the process's cores (`attention_groups`): a decode batch's attention reads every
+sequence's whole cache, and a long prompt's is quadratic, so either is worth both cores. Prefill is
+one segment with T = len(prompt) (or a chunk of it), decode is many T = 1 segments, and a colocated
+step mixes both in one call. The `Model` holds no per-request state.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from stack.engine import attention as attn_kernels
+from stack.engine.attention import attention
 from stack.engine.checkpoint import DUMMY_CONFIGS, dummy_weights, load_checkpoint
 from stack.engine.errors import CheckpointError, TokenRangeError
 from stack.engine.kv_cache import KVCache
@@ -89,7 +93,9 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
     positions = np.concatenate([np.arange(s.start_pos, s.start_pos + T) for s, T in zip(segments, lengths)])  # (N,)
     rotation = rope_rotation(cfg, positions)  # (N, 1, hd/2) complex64
     N = len(tokens)
-    groups = attention_groups([s.start_pos + T for s, T in zip(segments, lengths)])
+    tasks = attention_tasks(segments, lengths, H // KV)  # (segment, first query, end query), each a unit of work
+    runs = [s.cache.runs(s.start_pos + T) for s, T in zip(segments, lengths)]  # block runs, the same in every layer
+    groups = attention_groups([(hi - lo) * (segments[j].start_pos + hi) for j, lo, hi in tasks])
 
     x = w.tok_embeddings[tokens]  # (N, dim)
     for layer_index, layer in enumerate(w.layers):
@@ -98,16 +104,16 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
         qk = rope(qkv[:, : (H + KV) * hd].reshape(N, H + KV, hd), rotation)  # (N, H + KV, hd)
         q, k = qk[:, :H], qk[:, H:]  # (N, H, hd), (N, KV, hd)
         v = qkv[:, (H + KV) * hd :].reshape(N, KV, hd)  # (N, KV, hd)
+        for j, s in enumerate(segments):
+            s.cache.write(layer_index, s.start_pos, k[offsets[j] : offsets[j + 1]], v[offsets[j] : offsets[j + 1]], runs[j])
         attn = np.empty((N, H, hd), np.float32)  # (N, H, hd)
 
-        def attend(group: list[int], layer_index: int = layer_index, q: np.ndarray = q, k: np.ndarray = k,
-                   v: np.ndarray = v, attn: np.ndarray = attn) -> None:
-            for j in group:
-                s, lo, hi = segments[j], offsets[j], offsets[j + 1]
-                end = s.start_pos + (hi - lo)
-                s.cache.k[layer_index, s.start_pos : end] = k[lo:hi]
-                s.cache.v[layer_index, s.start_pos : end] = v[lo:hi]
-                attn[lo:hi] = attention(q[lo:hi], s.cache.k[layer_index, :end], s.cache.v[layer_index, :end], s.start_pos)
+        def attend(group: list[int], layer_index: int = layer_index, q: np.ndarray = q, attn: np.ndarray = attn) -> None:
+            for t in group:
+                j, lo, hi = tasks[t]
+                s, first = segments[j], segments[j].start_pos + lo
+                rows = slice(offsets[j] + lo, offsets[j] + hi)
+                attn[rows] = attention(q[rows], s.cache.views(layer_index, s.start_pos + hi, 0, runs[j]), first)
 
         if len(groups) == 1:
             attend(groups[0])
@@ -128,10 +134,11 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
     return rms_norm(last, w.norm, cfg.norm_eps) @ w.lm_head  # (len(segments), vocab)
 
 
-# A decode batch's attention reads every sequence's whole KV cache (at batch 32 and 800 tokens, 4x the weights):
-# split over the cores this process may use once the batch is large enough that the split outweighs its cost.
-PARALLEL_MIN_SEGMENTS = 8
-PARALLEL_MIN_KEYS = 4096  # keys read per layer over the batch
+# A decode batch's attention reads every sequence's whole KV cache (at batch 32 and 800 tokens, 4x the weights)
+# and a long prompt's grows with its square: split over the cores this process may use once the step has enough
+# tasks that the split outweighs its cost.
+PARALLEL_MIN_SEGMENTS = 8  # tasks (decode segments, prefill query blocks)
+PARALLEL_MIN_KEYS = 4096  # query-key pairs per layer over the step
 
 
 @lru_cache(maxsize=1)
@@ -148,9 +155,19 @@ def attention_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(attention_threads(), thread_name_prefix="attention")
 
 
+def attention_tasks(segments: list[Segment], lengths: list[int], group_size: int) -> list[tuple[int, int, int]]:
+    """(segment index, first query, end query) of each unit of attention work: a whole thin segment (decode),
+    else one per QUERY_BLOCK queries."""
+    tasks = []
+    for j, T in enumerate(lengths):
+        step = T if T * group_size < attn_kernels.THIN_QUERIES else attn_kernels.QUERY_BLOCK
+        tasks += [(j, lo, min(T, lo + step)) for lo in range(0, T, step)]
+    return tasks
+
+
 def attention_groups(keys: list[int]) -> list[list[int]]:
-    """Segment indices per attention thread, balanced by keys read (longest first onto the lightest group); one
-    group when the step is too small to be worth splitting or there is one core."""
+    """Task indices per attention thread, balanced by query-key pairs (largest first onto the lightest group);
+    one group when the step is too small to be worth splitting or there is one core."""
     threads = attention_threads()
     if threads == 1 or len(keys) < PARALLEL_MIN_SEGMENTS or sum(keys) < PARALLEL_MIN_KEYS:
         return [list(range(len(keys)))]
@@ -196,78 +213,6 @@ def rope(x: np.ndarray, rotation: np.ndarray) -> np.ndarray:
     so rotate-half is a complex multiply. (N, heads, hd), (N, 1, hd/2) -> (N, heads, hd)"""
     pairs = x.view(np.complex64)  # (N, heads, hd/2); needs only the last axis contiguous
     return (pairs * rotation).view(np.float32)  # (N, heads, hd)
-
-
-# Queries per attention block: bounds the score matrix (it stays in L2 per KV head) and lets causal
-# blocks skip the keys of later blocks.
-QUERY_BLOCK = 128
-# Below this many query rows per KV head (decode), one batched K @ Q^T over all heads is used:
-# per-head calls would cost more in numpy overhead, and OpenBLAS streams the strided cache several
-# times faster in that orientation when the query side is that thin.
-THIN_QUERIES = 64
-
-
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start_pos: int) -> np.ndarray:
-    """Causal grouped-query attention of one segment whose first query sits at `start_pos`.
-    (T, H, hd), (S, KV, hd), (S, KV, hd) with S = start_pos + T -> (T, H, hd)
-
-    Query head h uses KV head h // (H // KV) (HF repeat_kv): the G = H // KV queries of a group are
-    stacked so each KV head needs one matmul against only the keys the queries can see.
-    """
-    T, H, hd = q.shape
-    G = H // k.shape[1]
-    q = q * np.float32(hd**-0.5)  # (T, H, hd) scaled copy
-    if T * G < THIN_QUERIES:
-        return attend_thin(q, k, v)
-    out = np.empty((T, H, hd), np.float32)  # (T, H, hd)
-    for a in range(0, T, QUERY_BLOCK):
-        b = min(T, a + QUERY_BLOCK)
-        out[a:b] = attend_block(q[a:b], k[: start_pos + b], v[: start_pos + b])
-    return out
-
-
-def attend_block(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Scaled queries at the last c of S positions, one KV head at a time.
-    (c, H, hd), (S, KV, hd), (S, KV, hd) -> (c, H, hd)"""
-    c, H, hd = q.shape
-    S, KV, _ = k.shape
-    G = H // KV
-    future = causal_mask(c)  # (c, 1, c)
-    out = np.empty((c, H, hd), np.float32)  # (c, H, hd)
-    for h in range(KV):
-        group = slice(h * G, (h + 1) * G)
-        scores = q[:, group].reshape(c * G, hd) @ k[:, h].T  # (c*G, S), row = (query, group member)
-        scores.reshape(c, G, S)[..., S - c :] += future
-        sums = exp_shifted(scores)  # (c*G, 1)
-        out[:, group] = ((scores @ v[:, h]) / sums).reshape(c, G, hd)
-    return out
-
-
-def attend_thin(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Few scaled queries (decode) at the last T of S positions, all KV heads in one batched matmul.
-    (T, H, hd), (S, KV, hd), (S, KV, hd) -> (T, H, hd)"""
-    T, H, hd = q.shape
-    S, KV, _ = k.shape
-    G = H // KV
-    qt = q.reshape(T, KV, G, hd).transpose(1, 3, 0, 2).reshape(KV, hd, T * G)  # (KV, hd, T*G)
-    scores = np.ascontiguousarray((k.transpose(1, 0, 2) @ qt).transpose(0, 2, 1))  # (KV, T*G, S)
-    if T > 1:
-        scores.reshape(KV, T, G, S)[..., S - T :] += causal_mask(T)
-    sums = exp_shifted(scores)  # (KV, T*G, 1)
-    out = (scores @ v.transpose(1, 0, 2)) / sums  # (KV, T*G, hd)
-    return out.reshape(KV, T, G, hd).transpose(1, 0, 2, 3).reshape(T, H, hd)
-
-
-def causal_mask(c: int) -> np.ndarray:
-    """(c, 1, c) additive mask over the last c keys: -inf where the key is after the query."""
-    return np.triu(np.full((c, c), -np.inf, np.float32), k=1)[:, None, :]
-
-
-def exp_shifted(scores: np.ndarray) -> np.ndarray:
-    """In place: scores -> exp(scores - row max), the unnormalised softmax. (..., S) -> row sums (..., 1)"""
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    return scores.sum(axis=-1, keepdims=True)
 
 
 def swiglu(gate_up: np.ndarray) -> np.ndarray:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from stack.engine.sequence import Sequence, TokenLogprob
+
 
 def sample(logits: np.ndarray, temperature: float, top_p: float, seed: int | None, step: int, *,
            top_k: int = 0, min_p: float = 0.0, choice: int = 0) -> int:
@@ -84,3 +86,22 @@ def logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, tuple[tup
     ids = np.argpartition(-x, min(top, len(x) - 1))[:top]  # (top,) unordered
     ids = ids[np.argsort(-x[ids], kind="stable")]
     return chosen, tuple((int(i), float(x[i] - lse)) for i in ids)
+
+
+def next_token(seq: Sequence, row: np.ndarray, stop_ids: frozenset[int]) -> tuple[int, TokenLogprob | None]:
+    """(vocab,) raw logits -> the next token of `seq` (and its logprobs if asked for); `stop_ids` are the
+    tokenizer's end-of-sequence ids."""
+    p, step = seq.params, len(seq.output)
+    banned = None
+    if step < p.min_tokens:  # vLLM's min_tokens: no EOS and no stop_token_ids yet
+        banned = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else stop_ids)
+    processed = row
+    if p.logit_bias or banned or seq.counts is not None or seq.constraint is not None:
+        processed = adjust(row, bias=p.logit_bias, banned=banned, counts=seq.counts, in_prompt=seq.in_prompt,
+                           repetition=p.repetition_penalty, frequency=p.frequency_penalty, presence=p.presence_penalty,
+                           allowed=None if seq.constraint is None else seq.constraint.allowed())
+    token = sample(processed, p.temperature, p.top_p, seq.seed, step, top_k=p.top_k, min_p=p.min_p, choice=seq.choice)
+    if p.logprobs is None:
+        return token, None
+    chosen, top = logprobs(row, token, p.logprobs)
+    return token, TokenLogprob(token, chosen, top)

@@ -8,7 +8,7 @@ pool has room.
 Three ways in, all plain arrays and tokens: `submit(prompt)` prefills and decodes here;
 `prefill(prompt)` runs the prompt to its first token and lends out its KV (the cache stays reserved
 until released); `submit(prompt, kv=PromptKV)` continues from KV and a first token computed
-elsewhere: at admission the arrays are copied into the sequence's pool cache, the first token is
+elsewhere: at admission the arrays are copied into the sequence's pool blocks, the first token is
 emitted and it joins the decodes at once. Where the KV comes from or goes to is the caller's
 business (handoff.py); the scheduler only says when it no longer reads the arrays (`kv_read`).
 
@@ -18,9 +18,9 @@ cache the forward is writing. One algorithm serves every role: a prefill engine 
 prefills, a decode engine mostly decodes, a colocated one mixes them (the interference PD removes);
 with `chunked_prefill` a long prompt is cut to what the step budget leaves beside the decodes.
 
-Prefix caching (prefix_cache.py): at admission the leading cached blocks of the prompt are copied
-into the new cache and only the rest is computed; a prompt's full blocks are stored when its
-prefill is done, and the whole sequence's (prompt and output) when it finishes.
+Prefix caching (prefix_cache.py): at admission the leading cached blocks of the prompt head the new
+sequence's block table (shared, not copied) and only the rest is computed; a prompt's full blocks
+are kept when its prefill is done, and the whole sequence's (prompt and output) when it finishes.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from stack.engine.metrics import EngineMetrics
 from stack.engine.model import Model, Segment, forward
 from stack.engine.prefix_cache import PrefixCache
 from stack.engine.protocol import SamplingParams
-from stack.engine.sampling import adjust, logprobs, sample
+from stack.engine.sampling import next_token
 from stack.engine.sequence import Output, Prefilled, PromptKV, Sequence, TokenLogprob
 from stack.engine.tokenizer import IncrementalDecoder
 
@@ -134,7 +134,7 @@ class Scheduler:
             return Prefilled(out, None, release)
         n = len(prompt)
         first_logprob = out.logprobs[0] if out.logprobs else None
-        return Prefilled(out, PromptKV(cache.k[:, :n], cache.v[:, :n], seq.output[0], seq.seed, first_logprob,
+        return Prefilled(out, PromptKV(*cache.head(n), seq.output[0], seq.seed, first_logprob,
                                        cached_tokens=seq.cached_tokens), release)
 
     def cancel(self, seq: Sequence) -> None:
@@ -221,7 +221,7 @@ class Scheduler:
         prefills = sum(1 for w in work if w.seq.prefilling)
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            chunk, hit = 0, []
+            chunk, hit = 0, list(seq.start_kv.prefix) if seq.start_kv is not None else []
             if seq.start_kv is None:
                 hit = self.prefix.match_prompt(seq.block_hashes, len(seq.prompt))
                 seq.num_computed = len(hit) * self.pool.block_size  # what _chunk sees; undone if it waits
@@ -237,7 +237,7 @@ class Scheduler:
             self.waiting.pop(0)
             seq.cache = cache
             if seq.start_kv is None:
-                cache.set_length(self.prefix.load(hit, cache))
+                cache.set_length(len(hit) * self.pool.block_size)
                 seq.cached_tokens = cache.length
                 self.prefix.record(len(seq.prompt), cache.length)
             self.running.append(seq)
@@ -283,20 +283,7 @@ class Scheduler:
 
     def _sample(self, seq: Sequence, row: np.ndarray) -> tuple[int, TokenLogprob | None]:
         """(vocab,) raw logits -> the next token of `seq` (and its logprobs if asked for)."""
-        p, step = seq.params, len(seq.output)
-        banned = None
-        if step < p.min_tokens:  # vLLM's min_tokens: no EOS and no stop_token_ids yet
-            banned = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.model.tokenizer.stop_ids)
-        processed = row
-        if p.logit_bias or banned or seq.counts is not None or seq.constraint is not None:
-            processed = adjust(row, bias=p.logit_bias, banned=banned, counts=seq.counts, in_prompt=seq.in_prompt,
-                               repetition=p.repetition_penalty, frequency=p.frequency_penalty, presence=p.presence_penalty,
-                               allowed=None if seq.constraint is None else seq.constraint.allowed())
-        token = sample(processed, p.temperature, p.top_p, seq.seed, step, top_k=p.top_k, min_p=p.min_p, choice=seq.choice)
-        if p.logprobs is None:
-            return token, None
-        chosen, top = logprobs(row, token, p.logprobs)
-        return token, TokenLogprob(token, chosen, top)
+        return next_token(seq, row, self.model.tokenizer.stop_ids)
 
     def _commit(self, work: list[_Work], tokens: list[tuple[int, TokenLogprob | None] | None]) -> None:
         for item, token in zip(work, tokens):
@@ -315,12 +302,12 @@ class Scheduler:
     # -- per-sequence transitions ----------------------------------------------------------------
 
     def _load_start_kv(self, seq: Sequence) -> None:
-        """Copy the given prompt KV into the pool cache and emit its first token."""
+        """Copy the given prompt KV into the pool blocks after the shared prefix and emit its first token."""
         kv, cache = seq.start_kv, seq.cache
         assert kv is not None and cache is not None, f"sequence {seq.request_id} has no KV to load or no cache"
-        n, reused = len(seq.prompt), self.prefix.load(kv.prefix, cache)  # blocks this engine held, then the shipped rest
-        cache.k[:, reused:n] = kv.k  # (n_layers, n - reused, n_kv_heads, head_dim)
-        cache.v[:, reused:n] = kv.v
+        n, reused = len(seq.prompt), len(kv.prefix) * self.pool.block_size  # blocks this engine held, then the shipped rest
+        for layer in range(self.model.config.n_layers):
+            cache.write(layer, reused, kv.k[layer], kv.v[layer])  # (n - reused, n_kv_heads, head_dim) each
         cache.set_length(n)
         seq.cached_tokens = kv.cached_tokens
         self.prefix.store(seq.prompt, cache, seq.block_hashes)  # later turns of this session reuse it (and skip its transfer)
@@ -388,9 +375,9 @@ class Scheduler:
         seq.sent = len(seq.text)
         self._remove(seq)
         if seq.cache is not None and not (seq.keeps_cache and reason in ("stop", "length")):
-            self.pool.free(seq.cache)  # a finished `prefill` keeps it until Prefilled.release
             if reason in ("stop", "length"):  # the next turn of a conversation starts with these tokens
                 self.prefix.store(seq.prompt + seq.output, seq.cache, seq.block_hashes)
+            self.pool.free(seq.cache)  # a finished `prefill` keeps it until Prefilled.release
             seq.cache = None
         self._drop_start_kv(seq)
         self.metrics.on_finish(seq, reason, time.perf_counter())

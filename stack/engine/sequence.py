@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stack.engine.grammar import Constraint
-from stack.engine.kv_cache import KVCache
+from stack.engine.kv_cache import KVCache, PagedView
 from stack.engine.prefix_cache import Block
 from stack.engine.protocol import SamplingParams
 from stack.engine.tokenizer import IncrementalDecoder
@@ -44,8 +44,10 @@ class Output:
 class PromptKV:
     """A prompt's K/V and the token sampled after it: what `prefill` lends and `submit(kv=…)` continues from."""
 
-    k: np.ndarray  # (n_layers, len(prompt) - len(prefix) * block_size, n_kv_heads, head_dim): the positions after `prefix`
-    v: np.ndarray  # (n_layers, len(prompt) - len(prefix) * block_size, n_kv_heads, head_dim)
+    # (n_layers, len(prompt) - len(prefix) * block_size, n_kv_heads, head_dim): the positions after `prefix`; arrays,
+    # or from `prefill` the pool's blocks seen through a `PagedView` (indexed like an array, read where they lie)
+    k: np.ndarray | PagedView
+    v: np.ndarray | PagedView
     first_token: int  # sampled from the last prompt position (generation step 0)
     seed: int  # the sampling seed of that token; the continuation keeps drawing from the same stream
     first_logprob: TokenLogprob | None = None  # that token's logprobs, when the request asked for them

@@ -61,7 +61,7 @@ def create_app(config: EngineConfig, model: Model) -> web.Application:
     max_model_len = min(config.max_model_len or model.config.max_seq_len, model.config.max_seq_len)
     pool = KVPool(model.config, config.pool_bytes, config.block_size)
     metrics = EngineMetrics(config.model)
-    prefix = PrefixCache(pool, model.fingerprint, enabled=config.prefix_caching, dtype=config.kv_dtype, metrics=metrics)
+    prefix = PrefixCache(pool, model.fingerprint, enabled=config.prefix_caching, metrics=metrics)
     scheduler = Scheduler(model, pool, max_num_batched_tokens=config.max_num_batched_tokens,
                           max_num_seqs=config.max_num_seqs, chunked_prefill=config.chunked_prefill, metrics=metrics, prefix=prefix)
     engine = Engine(config, model, scheduler, KVHandoff(config, model, scheduler, metrics), max_model_len, int(time.time()))

@@ -1,6 +1,7 @@
 """`python -m stack.router [--config router/settings.toml]`: the router (HTTP 8080, gRPC health 50052).
 
-A bad config prints one line naming file, key and problem, and exits 2.
+A bad config prints one line naming file, key and problem, and exits 2; so does a port another process holds
+(which port, which process when /proc shows it, what to set).
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ import argparse
 import asyncio
 import sys
 
+import uvloop
+
 from stack.common import events
 from stack.common.config import ConfigError
 from stack.common.logging import log_event, setup_logging
-from stack.common.server import serve
+from stack.common.server import PortInUse, serve
 from stack.router import config as router_config
 from stack.router.app import create_app
 
@@ -36,10 +39,23 @@ def main(argv: list[str] | None = None) -> int:
     log_event(events.SERVICE_STARTING, f"router starting with {args.config}", config=args.config,
               prefill=list(config.prefill.urls) or [config.prefill.discover], decode=list(config.decode.urls) or [config.decode.discover],
               policy=config.scheduler.policy)
-    asyncio.run(serve(app, host=args.host or server.host, port=args.port if args.port is not None else server.port,
-                      health_port=args.health_port if args.health_port is not None else server.health_port,
-                      header_timeout_s=server.header_timeout_ms / 1000))
+    try:
+        # uvloop: the stock loop and its transports were a sixth of the router's CPU per request (docs/router-performance.md).
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve(app, host=args.host or server.host, port=args.port if args.port is not None else server.port,
+                             health_port=args.health_port if args.health_port is not None else server.health_port,
+                             header_timeout_s=server.header_timeout_ms / 1000))
+    except PortInUse as exc:
+        setting = _SETTINGS[exc.kind]
+        log_event(events.SERVICE_PORT_IN_USE, f"{exc}; set {setting}", "ERROR", port=exc.port, setting=setting,
+                  **({"owner": exc.owner} if exc.owner else {}))
+        print(f"router: {exc}; stop it or set {setting} in {args.config}", file=sys.stderr)
+        return 2
     return 0
+
+
+# What to change when a port is taken.
+_SETTINGS = {"HTTP": "[server] port (or --port)", "gRPC health": "[server] health_port (or --health-port)"}
 
 
 if __name__ == "__main__":

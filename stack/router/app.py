@@ -27,7 +27,7 @@ from stack.common.errors import (
     APIError, PayloadTooLarge, RequestTimeout, UnsupportedMediaType, echo_client_request_id,
     error_middleware, openai_error_body, unique_request_id_middleware,
 )
-from stack.common.logging import log_event
+from stack.common.logging import SUMMARY_LOGGED, log_event
 from stack.router.api import anthropic, openai, responses, tokens
 from stack.router.appkeys import CALLER, CONFIG, INTERNAL_KEY, KEYRING, LIMITER, METRICS, PD, REGISTRY, STREAM_ERROR, TOKENS, USAGE
 from stack.router.auth import Caller, KeyRing
@@ -36,8 +36,8 @@ from stack.router.limits import Limiter
 from stack.router.limits_redis import RedisCounters
 from stack.router.metrics import Metrics
 from stack.router.p2pnccl import Registry
+from stack.router.fleet import Fleet
 from stack.router.pd import PDClient
-from stack.router.scheduler import worst_case_s
 from stack.router.upstream import new_session
 from stack.router.usage import UsageStore
 
@@ -123,13 +123,15 @@ async def _read_body(request: web.Request) -> None:
 
 
 async def _request_done(request: web.Request, api: str, caller: Caller, slot: str, status: int, e2e: float) -> None:
-    """Free the key's slot, charge its tokens, and log the request's one summary line."""
+    """Free the key's slot, charge its tokens, and log the request's one summary line once they are in the usage file."""
     prompt, completion = request.get(TOKENS, (0, 0))
     await request.app[LIMITER].release(caller, slot, prompt, completion)
+    await request.app[USAGE].durable()  # the line below promises the request is in the usage file (usage.py)
     failed = status >= 400 or STREAM_ERROR in request
     log_event(events.ROUTER_REQUEST_DONE, f"{api} request done: {status}", "WARNING" if failed else "INFO",
               api=api, key_name=caller.name, status=status, error=request.get(STREAM_ERROR),
               prompt_tokens=prompt, completion_tokens=completion, e2e_ms=round(e2e * 1000, 2))
+    request[SUMMARY_LOGGED] = True  # this line says what the access line would
 
 
 async def health(request: web.Request) -> web.Response:
@@ -218,25 +220,23 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG]
     writer = asyncio.create_task(_write_usage(app[USAGE], config.usage), name="usage-writer")
     # One tuned session (no connection cap, no total timeout: the PD client sets per-leg timeouts).
-    bounds = worst_case_s(config.scheduler)
-    log_event(events.ROUTER_BOUNDS, f"a request ends within {bounds['first_byte_s']:g}s to its first byte, "
-              f"{bounds['non_streamed_s']:g}s non-streamed, {bounds['stream_s']:g}s streamed", worst_case_s=bounds)
     async with new_session(app[INTERNAL_KEY] or None) as session:
         registry = app.get(REGISTRY)
-        pd = PDClient(config, session, app[METRICS])
+        fleet = Fleet(config, session, app[METRICS])
+        pd = PDClient(fleet, app[METRICS])
         app[PD] = pd
         try:
             await app[LIMITER].counters.start()
-            await pd.start()
+            await fleet.start()
             if registry is not None:
-                registry.start(pd.monitor.join, pd.monitor.leave)
+                registry.start(fleet.monitor.join, fleet.monitor.leave)
             yield
         finally:
             writer.cancel()
             await asyncio.gather(writer, return_exceptions=True)
             if registry is not None:
                 await registry.close()
-            await pd.close()
+            await fleet.close()
             await app[LIMITER].counters.close()
             app[USAGE].close()  # writes what is still queued
 

@@ -32,10 +32,10 @@ from urllib.parse import urlsplit
 
 from stack.common.config import ConfigError, build, check, read_file
 from stack.router.backends import PoolConfig, check_topology
+from stack.router.handoff import KV_CONNECTORS
 from stack.router.p2pnccl import P2pNcclConfig
 from stack.router.scheduler import SchedulerConfig
 
-_KV_CONNECTORS = ("pd-push", "nixl", "p2pnccl")
 _NOT_SETTINGS = ("source", "kv_transfer_port")  # RouterConfig fields load() fills in
 
 # Key names whose values would be secrets, and value shapes that are keys whatever the name.
@@ -102,8 +102,8 @@ class AuthConfig:
 @dataclass(frozen=True)
 class UsageConfig:
     db_path: str = "data/router-usage.sqlite3"  # SQLite file (relative paths: to the working directory)
-    # Each finished request is written (one WAL commit) before its slot is freed: a kill -9 loses none whose
-    # `router.request_done` was logged. This interval only paces retries after a failed write (a full disk).
+    # Finished requests are written in one WAL commit per event-loop turn, before `router.request_done` is logged:
+    # a kill -9 loses none whose line was logged. This interval only paces retries after a failed write (a full disk).
     flush_interval_ms: int = 1000
 
     def __post_init__(self) -> None:
@@ -225,8 +225,8 @@ def _with_env_overrides(data: dict[str, Any], env: Mapping[str, str], file: str)
                 section["endpoints"] = [e.strip() for e in endpoints_text.split(",") if e.strip()]
     connector = env.get("KV_CONNECTOR", "").strip()
     if connector:  # the GPU overlays' vLLM engines hand KV over their own way
-        if connector not in _KV_CONNECTORS:
-            raise ConfigError("environment", "KV_CONNECTOR", f"must be one of {', '.join(_KV_CONNECTORS)}, got {connector!r}")
+        if connector not in KV_CONNECTORS:
+            raise ConfigError("environment", "KV_CONNECTOR", f"must be one of {', '.join(KV_CONNECTORS)}, got {connector!r}")
         section = data.setdefault("scheduler", {})
         if isinstance(section, dict):
             section["kv_connector"] = connector

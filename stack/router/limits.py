@@ -174,7 +174,8 @@ class Limiter:
                           code=f"{refusal.limit}_limit_exceeded", headers={"Retry-After": str(retry)})
 
     async def release(self, caller: Caller, slot: str, prompt_tokens: int, completion_tokens: int) -> None:
-        """Charge the tokens used to the usage file first (so a kill -9 after this loses nothing), then free the slot."""
+        """Charge the tokens used to the usage totals (the file has them once `UsageStore.durable()` returns), then free
+        the slot."""
         self._usage.add(caller.name, prompt_tokens, completion_tokens)
         self._local[caller.name] -= 1
         await self.counters.give_back(caller.name, slot, prompt_tokens, completion_tokens)

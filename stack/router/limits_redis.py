@@ -9,12 +9,16 @@ matter), and unlike LiteLLM (which falls back to in-memory counters when Redis f
 cannot reach Redis refuses generation requests with a 503 `limits_unavailable`: N routers falling
 back to their own counters would each allow the key's whole limit, and the quota is money.
 
+Each admit is one script call and each release one more; the calls a router makes in one event-loop turn go
+to Redis as one pipeline (`_TurnPipeline`), so under load many admits and releases share a round trip, and the
+client library's per-command work is paid once a turn, not once a call.
+
 Leak protection: a request in flight holds a slot in `{name}:slots` scored by its lease's expiry.
 The router renews its slots every lease/3; a router that dies stops renewing, and every `take` first
 drops expired leases, so a crashed router's slots come back within `lease_ms`.
 
-Usage is durable in two places: each router still writes every finished request to its own SQLite
-file before freeing the slot (usage.py; the per-router ledger, which survives losing Redis), and the
+Usage is durable in two places: each router still commits every finished request to its own SQLite
+file before it logs `router.request_done` (usage.py; the per-router ledger, which survives losing Redis), and the
 shared totals the quota is checked against are a Redis hash, which survives a Redis restart with
 append-only persistence (`appendonly yes`, `appendfsync everysec`: the compose profile and the
 Kubernetes manifests run Redis so). A charge that fails to reach Redis is kept and retried with the
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 from collections.abc import Iterator
 
@@ -32,6 +37,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -112,6 +118,67 @@ return 1
 _IN_FLIGHT = _NOW + "return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')\n"
 
 
+_SCRIPTS = {"take": _TAKE, "give_back": _GIVE_BACK, "renew": _RENEW, "in_flight": _IN_FLIGHT}
+
+
+class _TurnPipeline:
+    """The script calls made in one event-loop turn, sent to Redis as one pipeline (one round trip for all of them).
+
+    Each call is still one script, atomic on its own; a pipeline only shares the round trip, so a router under load
+    pays one write and one read for every admit and release of a turn instead of one each. The first call of a turn
+    starts the sender task, whose first step runs in the next turn, after every call of this one is queued."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._redis = redis
+        self._sha = {name: hashlib.sha1(source.encode()).hexdigest() for name, source in _SCRIPTS.items()}
+        self._queued: list[tuple[str, list[str], list[object], asyncio.Future[object]]] = []
+        self._senders: set[asyncio.Task[None]] = set()  # strong references until each pipeline is answered
+
+    def call(self, script: str, keys: list[str], args: list[object]) -> asyncio.Future[object]:
+        loop = asyncio.get_running_loop()
+        if not self._queued:
+            sender = loop.create_task(self._send(), name="limit-store-pipeline")
+            self._senders.add(sender)
+            sender.add_done_callback(self._senders.discard)
+        future = loop.create_future()
+        self._queued.append((script, keys, args, future))
+        return future
+
+    async def _send(self) -> None:
+        batch, self._queued = self._queued, []
+        try:
+            results = await self._execute(batch)
+        except Exception as exc:  # Redis unreachable: each caller maps it (a 503, or a charge kept for later)
+            results = [exc] * len(batch)
+        except asyncio.CancelledError:  # the router shutting down
+            for *_, future in batch:
+                future.cancel()
+            raise
+        for (*_, future), result in zip(batch, results):
+            if future.done():  # a caller that was cancelled meanwhile
+                continue
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    async def _execute(self, batch: list[tuple[str, list[str], list[object], asyncio.Future[object]]]) -> list[object]:
+        results = await self._pipeline(batch)
+        missing = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
+        if missing:  # a restarted Redis (or SCRIPT FLUSH) forgot the scripts: load them, send those calls again
+            for script in {batch[i][0] for i in missing}:
+                await self._redis.script_load(_SCRIPTS[script])
+            for i, result in zip(missing, await self._pipeline([batch[i] for i in missing])):
+                results[i] = result
+        return results
+
+    async def _pipeline(self, batch: list[tuple[str, list[str], list[object], asyncio.Future[object]]]) -> list[object]:
+        pipe = self._redis.pipeline(transaction=False)
+        for script, keys, args, _ in batch:
+            pipe.evalsha(self._sha[script], len(keys), *keys, *args)
+        return await pipe.execute(raise_on_error=False)
+
+
 def _keys(prefix: str, name: str) -> dict[str, str]:
     tag = f"{prefix}{{{name}}}"  # one hash tag per key name: a Redis Cluster keeps them on one shard
     return {part: f"{tag}:{part}" for part in ("slots", "requests", "tokens", "totals")}
@@ -128,8 +195,7 @@ class RedisCounters:
         self._redis = aioredis.Redis.from_url(config.redis_url, password=password or None, socket_timeout=timeout,
                                               socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 1),
                                               retry_on_error=[RedisConnectionError, RedisTimeoutError])
-        self._take, self._give_back = self._redis.register_script(_TAKE), self._redis.register_script(_GIVE_BACK)
-        self._renew, self._in_flight = self._redis.register_script(_RENEW), self._redis.register_script(_IN_FLIGHT)
+        self._scripts = _TurnPipeline(self._redis)
         self._held: dict[str, set[str]] = {}  # key name -> this router's slots, renewed until given back
         self._unsent: list[tuple[str, str, int, int]] = []  # charges Redis did not take yet; retried each renewal
         self._renewer: asyncio.Task[None] | None = None
@@ -154,7 +220,7 @@ class RedisCounters:
         keys = _keys(self.config.key_prefix, name)
         args = [slot, limits.rpm, limits.tpm, limits.max_concurrent, limits.token_quota, self.config.lease_ms, _WINDOW_MS]
         with self._reachable("take"):
-            result = await self._take(keys=[keys["slots"], keys["requests"], keys["tokens"], keys["totals"]], args=args)
+            result = await self._scripts.call("take", [keys["slots"], keys["requests"], keys["tokens"], keys["totals"]], args)
         if result is None:
             self._held.setdefault(name, set()).add(slot)
             return None
@@ -173,8 +239,8 @@ class RedisCounters:
 
     async def _charge(self, name: str, slot: str, prompt_tokens: int, completion_tokens: int) -> None:
         keys = _keys(self.config.key_prefix, name)
-        await self._give_back(keys=[keys["slots"], keys["tokens"], keys["totals"]],
-                              args=[slot, prompt_tokens, completion_tokens, _WINDOW_MS])
+        await self._scripts.call("give_back", [keys["slots"], keys["tokens"], keys["totals"]],
+                                 [slot, prompt_tokens, completion_tokens, _WINDOW_MS])
 
     async def totals(self, name: str) -> Usage:
         with self._reachable("totals"):
@@ -184,7 +250,7 @@ class RedisCounters:
 
     async def in_flight(self, name: str) -> int:
         with self._reachable("in_flight"):
-            return int(await self._in_flight(keys=[_keys(self.config.key_prefix, name)["slots"]]))
+            return int(await self._scripts.call("in_flight", [_keys(self.config.key_prefix, name)["slots"]], []))
 
     async def start(self) -> None:
         """Check Redis answers (a wrong URL is found at start, not at the first request) and start renewing."""
@@ -210,7 +276,7 @@ class RedisCounters:
         """Extend the leases of this router's slots, and send the charges Redis missed."""
         for name, slots in list(self._held.items()):
             if slots:
-                await self._renew(keys=[_keys(self.config.key_prefix, name)["slots"]], args=[self.config.lease_ms, *slots])
+                await self._scripts.call("renew", [_keys(self.config.key_prefix, name)["slots"]], [self.config.lease_ms, *slots])
         while self._unsent:
             await self._charge(*self._unsent[0])
             self._unsent.pop(0)

@@ -54,7 +54,7 @@ class HealthMonitor:
         self.max_model_len: int | None = None  # the engines' context length (their /v1/models `max_model_len`, vLLM's field)
         self._capabilities: dict[str, Capabilities] = {}  # by backend URL: learned from GET /health (pools on "auto")
         # By backend URL: the model fingerprint its GET /health reports (our engines), asked with its capabilities.
-        # A prefill and a decode are paired only when theirs agree (pd.py: a rolling model update never mixes them).
+        # A prefill and a decode are paired only when theirs agree (pairing.py: a rolling model update never mixes them).
         self.fingerprints: dict[str, str] = {}
         self._clock = clock
         self._loop: asyncio.Task[None] | None = None

@@ -1,527 +1,96 @@
-"""The PD flow, top to bottom as vLLM's toy proxy reads: pick, prefill leg, decode leg, relay.
+"""The PD flow: pair, prefill leg, decode leg, relay.
 
     complete(): decode answers one JSON body          stream(): decode's SSE chunks, yielded as lists of dicts
-    _run, attempt n:   1. pick D = acquire(decode)
-    _prefill:          2. pick P = acquire(prefill); POST P {max_tokens: 1, stream: false, the hand-off's kv_transfer_params}
-                          (prefill failure: another P, same D)
+    _run, attempt n:   1. pairing.acquire_pair: a decode first, then a prefill running its model (pairing.py)
+    _prefill:          2. POST P {max_tokens: 1, stream: false, the hand-off's kv_transfer_params}
+                          (P failed: another P, same D; P could not hand its KV to D, or D has no room for it: a new pair)
     _decode:           3. POST D {the client's request, what P's answer hands on}; wait for its first chunk
-                          (decode failure before its first chunk: a new pair, attempt n+1)
+                          (D failed before its first chunk: a new pair, attempt n+1)
     stream:            4. relay D's chunks; a failure after the first chunk is raised to the caller, who ends the
                           client's stream in-band. A stream that ends without a finish_reason and `[DONE]` is an
                           error, never a silent truncation.
 
-What the legs carry, and which request id, is the hand-off's business (handoff.py: our KV push,
-vLLM NIXL, vLLM P2pNccl, or colocated, which has no prefill leg). Which backends are up and where
-decode takes KV is the health monitor's (monitor.py); slots and the wait queue the scheduler's.
+Every leg the router gives up on (its deadline, the client gone, retried elsewhere) has its HTTP connection closed:
+the engine sees the disconnect, cancels the work and frees its KV. Each leg's timeout and the request's deadline are
+sized by the prompt (deadlines.py). What the legs carry is the hand-off's business (handoff.py); which backends exist
+the fleet's (fleet.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
+from collections.abc import AsyncIterator, Mapping
+from functools import partial
 from typing import Any
 
 import aiohttp
-from aiohttp.abc import AbstractResolver
 
 from stack.common import events
-from stack.common.errors import REQUEST_ID_HEADER, UpstreamError, UpstreamTimeout
+from stack.common.errors import UpstreamError, UpstreamTimeout
 from stack.common.logging import log_event
 from stack.common.sse import DONE, read_event_batches
-from stack.router.affinity import Affinity, request_affinity
-from stack.router.backends import Backend, build_pool, is_colocated
-from stack.router.config import RouterConfig
-from stack.router.discovery import KVDiscovery, kv_hints
-from stack.router.handoff import Route, handoff_for
+from stack.protocol.types import Request
+from stack.router.deadlines import budgets
+from stack.router.fleet import Fleet
+from stack.router.handoff import Handed, handed
+from stack.router.job import NO_HEADERS, Job
 from stack.router.metrics import Metrics
-from stack.router.monitor import HealthMonitor
-from stack.router.replicas import ReplicaWatcher
-from stack.router.upstream import EngineError, LegFailed, exception_failure, open_stream, post_json, status_failure, timeout
-from stack.router.scheduler import NoBackendAvailable, Scheduler, SchedulerConfig, worst_case_s
-
-
-NO_HEADERS: Mapping[str, str] = MappingProxyType({})  # a caller with no client request (benchmarks, tests): no session
-
-
-def estimate_prompt_tokens(body: dict[str, Any]) -> int:
-    """A cheap prompt-length estimate for load accounting (~4 characters a token)."""
-    prompt = body.get("messages", body.get("prompt", ""))
-    if isinstance(prompt, str):
-        return 1 + len(prompt) // 4
-    chars = 0
-    for item in prompt if isinstance(prompt, list) else ():
-        content = item.get("content", "") if isinstance(item, dict) else item
-        chars += len(content) if isinstance(content, str) else len(str(content))
-    return 1 + chars // 4 + 4 * (len(prompt) if isinstance(prompt, list) else 0)
-
-
-@dataclass
-class _Job:
-    """One client request as the PD flow sees it."""
-
-    request_id: str
-    path: str
-    body: dict[str, Any]
-    stream: bool
-    prompt_tokens: int
-    max_tokens: int
-    key: Affinity | None = None  # session / prompt-prefix affinity (policy cache_aware): the same pair every turn
-    started: float = field(default_factory=time.perf_counter)
-
-    @classmethod
-    def make(cls, request_id: str, path: str, body: dict[str, Any], stream: bool, settings: SchedulerConfig,
-             headers: Mapping[str, str]) -> _Job:
-        # kv_transfer_params belong to the router: a client must not steer the engines' KV plumbing.
-        clean = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-        default_max_tokens = settings.default_max_tokens
-        limit = clean.get("max_completion_tokens") or clean.get("max_tokens") or default_max_tokens
-        key = request_affinity(headers, clean, settings.affinity_prefix_chars) if settings.policy == "cache_aware" else None
-        return cls(request_id, path, clean, stream, estimate_prompt_tokens(clean), int(limit) if isinstance(limit, int) else default_max_tokens, key)
-
-    @property
-    def decode_tokens(self) -> int:
-        return self.prompt_tokens + self.max_tokens
-
-    def prefill_body(self, kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
-        """One token, not streamed, no stream_options (vLLM's toy proxy). `min_tokens` becomes 1 when the client set
-        it: our decode continues from prefill's token, which must not be EOS then (vLLM needs min ≤ max = 1)."""
-        body = {k: v for k, v in self.body.items() if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
-        body.update(stream=False, max_tokens=1)
-        if self.body.get("min_tokens"):
-            body["min_tokens"] = 1
-        if "max_completion_tokens" in body:
-            body["max_completion_tokens"] = 1
-        if kv_transfer_params is not None:
-            body["kv_transfer_params"] = kv_transfer_params
-        return body
-
-    def decode_body(self, kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
-        """The client's request; streams always ask for usage (the router counts tokens from it)."""
-        body = dict(self.body)
-        if self.stream:
-            body["stream"] = True
-            body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        else:
-            body["stream"] = False
-            body.pop("stream_options", None)
-        if kv_transfer_params is not None:
-            body["kv_transfer_params"] = kv_transfer_params
-        return body
-
-
-@dataclass
-class _Leg:
-    """An answered decode leg: the backend (slot held), and the JSON body or the open stream."""
-
-    decode: Backend
-    answer: dict[str, Any] | None = None
-    response: aiohttp.ClientResponse | None = None
-    batches: AsyncIterator[list[tuple[str | None, str]]] | None = None  # the rest of the stream, per network read
-    first: dict[str, Any] | None = None  # the first chunk, checked before anything reached the client
-    rest: list[str] = field(default_factory=list)  # the other frames that arrived with the first
-    prefill_cached: int | None = None  # prompt tokens the prefill found in its prefix cache (what usage reports)
-
-
-@dataclass(frozen=True)
-class _Handed:
-    """What a prefill leg hands on: the route, decode's kv_transfer_params, and when its KV lease started; or, when
-    its one token ended the answer, that answer (`finished`)."""
-
-    route: Route
-    kv_params: dict[str, Any] | None
-    prefill_url: str
-    answered_at: float  # PDClient's clock when the prefill answered: its blocks' lease runs from here
-    finished: dict[str, Any] | None = None
-    cached_tokens: int | None = None
-
-
-def _finish_reason(answer: dict[str, Any]) -> str | None:
-    choices = answer.get("choices") or [{}]
-    return choices[0].get("finish_reason") if isinstance(choices[0], dict) else None
-
-
-def _prefill_cached_tokens(answer: dict[str, Any], kv_params: dict[str, Any] | None) -> int | None:
-    """The prompt tokens the prefill found cached: what the client's usage reports (decode loaded them all from the
-    prefill, so its own count says ~100 %). vLLM names it in kv_transfer_params (`remote_prefill_cached_tokens`, 0.32+)
-    and in the prefill answer's usage (with --enable-prompt-tokens-details)."""
-    cached = (kv_params or {}).get("remote_prefill_cached_tokens")
-    if not isinstance(cached, int) or isinstance(cached, bool):
-        cached = ((answer.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
-
-
-def _report_cached(usage: Any, cached: int | None) -> None:
-    """Usage as the client sees it: cached_tokens from the prefill's view (decode's own count, where it keeps one, is
-    every token it loaded from the prefill)."""
-    if cached is not None and isinstance(usage, dict):
-        details = usage.get("prompt_tokens_details")
-        usage["prompt_tokens_details"] = {**(details if isinstance(details, dict) else {}), "cached_tokens": cached}
-
-
-def answer_chunks(answer: dict[str, Any]) -> list[dict[str, Any]]:
-    """A non-streamed chat or text completion as the stream chunks an engine would have sent for it: one chunk per
-    choice with the whole delta and its finish_reason, then the usage chunk (choices [])."""
-    chat = answer.get("object") == "chat.completion"
-    head = {"id": answer.get("id", ""), "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": answer.get("created", 0), "model": answer.get("model", "")}
-    chunks = []
-    for choice in answer.get("choices") or []:
-        out = {"index": choice.get("index", 0), "logprobs": choice.get("logprobs"), "finish_reason": choice.get("finish_reason")}
-        if chat:
-            message = choice.get("message") or {}
-            delta = {"role": "assistant", "content": message.get("content") or ""}
-            if message.get("tool_calls"):
-                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-            out["delta"] = delta
-        else:
-            out["text"] = choice.get("text") or ""
-        chunks.append({**head, "choices": [out]})
-    if answer.get("usage"):
-        chunks.append({**head, "choices": [], "usage": answer["usage"]})
-    return chunks
-
-
-class _Tally:
-    """What a relayed stream has shown so far: token chunks (ITL observed between them), finish, usage."""
-
-    def __init__(self, metrics: Metrics, started: float) -> None:
-        self.metrics = metrics
-        self.last = started
-        self.first = started  # when the first token chunk arrived
-        self.tokens = 0
-        self.finished = False
-        self.usage: dict[str, Any] | None = None
-
-    def count(self, chunks: list[dict[str, Any]]) -> None:
-        now = time.perf_counter()  # chunks of one batch arrived together: the gaps inside it are 0
-        for chunk in chunks:
-            choices = chunk.get("choices")
-            if choices:
-                if self.tokens:
-                    self.metrics.itl.observe(now - self.last)
-                else:
-                    self.first = now
-                self.tokens += 1
-                self.last = now
-                self.finished = self.finished or bool(choices[0].get("finish_reason"))
-            if chunk.get("usage"):
-                self.usage = chunk["usage"]
+from stack.router.pairing import Pair, Pairing, Tried
+from stack.router.relay import Leg, Tally, answer_chunks, parse_chunk, report_cached
+from stack.router.upstream import LegFailed, exception_failure, open_stream, post_json, timeout
 
 
 class PDClient:
-    """Runs client requests over the prefill and decode pools (see the module docstring)."""
+    """Runs client requests over the fleet's prefill and decode pools (see the module doc)."""
 
-    def __init__(self, config: RouterConfig, session: aiohttp.ClientSession, metrics: Metrics,
-                 clock: Callable[[], float] = time.monotonic, resolver: AbstractResolver | None = None) -> None:
-        """`clock` times the backends' circuit breakers and the prefill's KV lease (tests pass a fake one); `resolver`
-        finds discover pools' replicas (default aiohttp's)."""
-        self.settings = s = config.scheduler
-        registry = s.kv_connector == "p2pnccl"  # the pools start empty and fill as vLLM P2pNccl instances register
-        self.handoff = handoff_for(s.kv_connector, colocated=not registry and is_colocated(config.prefill, config.decode))
-        self.mode = "disaggregated" if self.handoff.prefill_leg else "colocated"
-        self._clock = clock
-        threshold, cooldown = s.breaker_failures, s.breaker_cooldown_ms / 1000
-        pools = {"decode": [] if registry else build_pool(config.decode, "decode" if self.handoff.prefill_leg else "both",
-                                                           threshold, cooldown, clock)}
-        if self.handoff.prefill_leg:
-            pools["prefill"] = [] if registry else build_pool(config.prefill, "prefill", threshold, cooldown, clock)
-        self.scheduler = Scheduler(s, pools, metrics.affinity)
-        self.session = session
+    def __init__(self, fleet: Fleet, metrics: Metrics) -> None:
+        self.fleet = fleet
+        self.settings = s = fleet.settings
         self.metrics = metrics
-        kv = (KVDiscovery(session, kv_hints(config.decode, config.kv_transfer_port, config.source), timeout(s.connect_timeout_ms, 5000),
-                          config.kv_transfer_port) if self.handoff.discovers_kv_addr else None)
-        self.monitor = HealthMonitor(config, self.scheduler, session, metrics, kv, clock)
-        # Discover pools (replicas.py): the members are whatever their DNS name resolves to, health-gated by the monitor.
-        roles = [(config.decode, "decode" if self.handoff.prefill_leg else "both")]
-        roles += [(config.prefill, "prefill")] if self.handoff.prefill_leg else []
-        self.watchers = [ReplicaWatcher(pool, role, self.scheduler, (threshold, cooldown), self.monitor.leave, resolver, clock)
-                         for pool, role in roles if pool.discover and not registry]
-        self._sources = {"decode": config.decode.discover or "static", "prefill": config.prefill.discover or "static"}
-        self._timeouts = {
-            "prefill": timeout(s.connect_timeout_ms, s.prefill_timeout_ms),
-            "decode_json": timeout(s.connect_timeout_ms, s.decode_timeout_ms),
-            "decode_stream": timeout(s.connect_timeout_ms, s.request_timeout_ms, s.idle_timeout_ms),
-            "tokenize": timeout(s.connect_timeout_ms, s.first_token_timeout_ms),
-        }
-        self._first_chunk_s = (s.kv_transfer_timeout_ms + s.first_token_timeout_ms) / 1000
-
-    async def start(self) -> None:
-        """The discover pools' first members, then the monitor's first round over them (real states), then both loops."""
-        await asyncio.gather(*(watcher.refresh() for watcher in self.watchers))
-        await self.monitor.start()
-        for watcher in self.watchers:
-            watcher.start()
-
-    async def close(self) -> None:
-        await asyncio.gather(*(watcher.close() for watcher in self.watchers))
-        await self.monitor.close()
+        self.pairing = Pairing(s, fleet.scheduler, fleet.monitor, fleet.handoff, metrics)
+        # What the API handlers ask of the engines, answered by the fleet.
+        self.monitor, self.tokenizer_call, self.health_snapshot = fleet.monitor, fleet.tokenizer_call, fleet.health_snapshot
+        self._stream_timeout = timeout(s.connect_timeout_ms, s.request_timeout_ms, s.idle_timeout_ms)
 
     @property
     def backend_model(self) -> str:
         """The engines' model id (what the API handlers name upstream and in /v1/models)."""
         return self.monitor.model
 
-    def health_snapshot(self) -> dict[str, Any]:
-        return {"mode": self.mode, "kv_connector": self.handoff.kind, "policy": self.settings.policy,
-                "queue_depth": self.scheduler.queue_depth, "worst_case_s": worst_case_s(self.settings), "pools": self.pools(),
-                "backends": [b.snapshot() for b in self.scheduler.backends]}
+    def _job(self, request_id: str, path: str, req: Request, body: dict[str, Any], headers: Mapping[str, str],
+             stream: bool) -> tuple[Job, Tried]:
+        job = Job.make(request_id, path, req, body, headers, stream, self.settings.default_max_tokens,
+                       partial(budgets, self.settings, window=self.monitor.max_model_len))
+        return job, self.pairing.tried(headers, job)
 
-    def pools(self) -> dict[str, dict[str, Any]]:
-        """Per role: where its members come from (a discover name, or "static"), how many there are, how many are up, and
-        how many report each model fingerprint (one during normal operation; two while a model update rolls)."""
-        roles = ("prefill", "decode") if self.handoff.prefill_leg else ("decode",)
-        fingerprints = self.monitor.fingerprints
-        return {role: {"source": self._sources[role], "backends": len(pool), "up": sum(b.usable for b in pool),
-                       "models": dict(Counter(fingerprints[b.url] for b in pool if b.url in fingerprints))}
-                for role in roles for pool in (self.scheduler.pool(role),)}
-
-    async def count_tokens(self, request_id: str, prompt: dict[str, Any]) -> int | None:
-        """The engines' token count for `prompt` ({"messages": …} or {"prompt": …}) from vLLM's POST /tokenize on a
-        usable decode, or None if none answers (then the caller estimates). Takes no slot: it is cheap."""
-        for backend in self.scheduler.pool("decode"):
-            if not backend.usable:
-                continue
-            try:
-                async with self.session.post(backend.url + "/tokenize", json={"model": self.backend_model, **prompt},
-                                             headers={REQUEST_ID_HEADER: request_id}, timeout=self._timeouts["tokenize"]) as response:
-                    count = (await response.json(content_type=None)).get("count") if response.status == 200 else None
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
-                continue
-            if isinstance(count, int) and not isinstance(count, bool):
-                return count
-        return None
-
-    async def tokenizer_call(self, request_id: str, path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
-        """POST `body` to vLLM's `path` (/tokenize, /detokenize) on a usable decode: (status, JSON answer), or None
-        when no decode answers. Takes no slot (issue 10: the router's /tokenize, exact prompt counts)."""
-        for backend in self.scheduler.pool("decode"):
-            if not backend.usable:
-                continue
-            try:
-                async with self.session.post(backend.url + path, json=body, headers={REQUEST_ID_HEADER: request_id},
-                                             timeout=self._timeouts["tokenize"]) as response:
-                    return response.status, await response.json(content_type=None)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-                continue
-        return None
-
-    # -- the flow: pick, prefill leg, decode leg, relay -------------------------------------------------
-    async def complete(self, request_id: str, path: str, body: dict[str, Any], headers: Mapping[str, str] = NO_HEADERS) -> dict[str, Any]:
-        """Run a non-streamed request; the decode engine's JSON answer (with usage). `headers`: the client's (session
-        affinity)."""
-        job = _Job.make(request_id, path, body, False, self.settings, headers)
-        leg = await self._run_within_deadline(job)
-        self.scheduler.release(leg.decode, job.decode_tokens)
+    async def complete(self, request_id: str, path: str, req: Request, body: dict[str, Any],
+                       headers: Mapping[str, str] = NO_HEADERS) -> dict[str, Any]:
+        """Run a non-streamed request (`req` parsed, `body` its engine body); the decode engine's JSON answer (with
+        usage). `headers`: the client's (session affinity)."""
+        job, tried = self._job(request_id, path, req, body, headers, False)
+        leg = await self._run_within_deadline(job, tried)
+        self.pairing.release_decode(tried)
         answer = leg.answer or {}
-        if not self.handoff.prefill_leg:
+        if not self.fleet.handoff.prefill_leg:
             self.metrics.observe_prompt_cache(leg.decode, answer.get("usage"))
         answer.pop("kv_transfer_params", None)  # clients never learn PD exists
-        _report_cached(answer.get("usage"), leg.prefill_cached)
+        report_cached(answer.get("usage"), leg.prefill_cached)
         return answer
 
-    async def _run_within_deadline(self, job: _Job) -> _Leg:
-        """_run under [scheduler] deadline_ms: queue waits, legs and retries together never take longer."""
-        deadline_s = self.settings.deadline_ms / 1000
+    async def stream(self, request_id: str, path: str, req: Request, body: dict[str, Any],
+                     headers: Mapping[str, str] = NO_HEADERS) -> AsyncIterator[list[dict[str, Any]]]:
+        """4. Relay: yield the decode engine's chunks as dicts, in batches: the chunks of one network read, so the API
+        writes them in one send. Always ends with a usage chunk. `headers`: the client's (session affinity)."""
+        job, tried = self._job(request_id, path, req, body, headers, True)
+        leg = await self._run_within_deadline(job, tried)
+        tally = Tally(self.metrics, job.started)
         try:
-            async with asyncio.timeout(deadline_s):
-                return await self._run(job)
-        except TimeoutError:
-            log_event(events.ROUTER_DEADLINE_EXCEEDED, f"no answer within the request deadline ({deadline_s:g}s)", "WARNING",
-                      request_id=job.request_id, deadline_ms=self.settings.deadline_ms, stream=job.stream)
-            raise UpstreamTimeout(f"no answer within the router's request deadline ({deadline_s:g}s); retry shortly",
-                                  code="deadline_exceeded", headers={"Retry-After": "1"}) from None
-
-    async def _run(self, job: _Job) -> _Leg:
-        """1. Pick a decode, then its prefill leg and its decode leg; a new pair until decode answered (JSON) or
-        yielded its first chunk."""
-        tried: set[Backend] = set()
-        last_failure: LegFailed | None = None
-        for attempt in range(1, self.settings.max_retries + 2):
-            try:
-                decode = await self.scheduler.acquire("decode", job.decode_tokens, tried, job.key)
-            except NoBackendAvailable:
-                if last_failure is not None:
-                    raise last_failure.error from None
-                raise
-            try:
-                other_versions = self._other_versions(decode) if self.handoff.prefill_leg else set()
-                if self.handoff.prefill_leg and not self._version_split(decode, other_versions):
-                    handed = await self._prefill(job, decode, attempt, other_versions)
-                    if handed.finished is not None:
-                        return _Leg(decode, answer=handed.finished)
-                    self._check_lease(job, handed, decode)
-                    route, kv_params, prefill_cached = handed.route, handed.kv_params, handed.cached_tokens
-                elif self.handoff.prefill_leg:
-                    # A rolling model update is under way and no prefill runs this decode's model yet: decode computes
-                    # the prompt itself (one ordinary request, as colocated), never KV from another model version.
-                    route, kv_params, prefill_cached = Route(job.request_id, "", None), None, None
-                    log_event(events.ROUTER_VERSION_SPLIT, f"no prefill runs the model of decode {decode.url}; it serves the request alone",
-                              "WARNING", request_id=job.request_id, decode=decode.url, fingerprint=self.monitor.fingerprints.get(decode.url))
-                else:
-                    route, kv_params, prefill_cached = self.handoff.route(job.request_id, decode, decode), None, None
-                    log_event(events.ROUTER_SCHEDULED, f"colocated on {decode.url}", request_id=job.request_id, prefill=decode.url,
-                              decode=decode.url, policy=self.settings.policy, mode=self.mode, attempt=attempt)
-                leg = await self._decode(job, decode, kv_params, route.request_id)
-                leg.prefill_cached = prefill_cached
-                return leg
-            except LegFailed as failure:
-                self.scheduler.release(decode, job.decode_tokens)
-                self._decode_failed(job, decode, failure, mid_stream=False, retried=failure.retryable and attempt <= self.settings.max_retries)
-                if not failure.retryable:
-                    raise failure.error from None
-                tried.add(decode)
-                last_failure = failure
-                self.metrics.retries.inc(role="decode")
-            except BaseException:
-                self.scheduler.release(decode, job.decode_tokens)
-                raise
-        assert last_failure is not None, "retry loop ended without a failure"
-        raise last_failure.error
-
-    def _other_versions(self, decode: Backend) -> set[Backend]:
-        """Prefills whose model fingerprint differs from `decode`'s (both known): their KV would not fit it."""
-        own = self.monitor.fingerprints.get(decode.url)
-        return {p for p in self.scheduler.pool("prefill")
-                if own and (theirs := self.monitor.fingerprints.get(p.url)) and theirs != own}
-
-    def _version_split(self, decode: Backend, other_versions: set[Backend]) -> bool:
-        """Usable prefills exist, but every one runs another model version than `decode`."""
-        usable = [p for p in self.scheduler.pool("prefill") if p.usable]
-        return bool(usable) and all(p in other_versions for p in usable)
-
-    async def _prefill(self, job: _Job, decode: Backend, attempt: int, other_versions: set[Backend]) -> _Handed:
-        """2. The prefill leg, retried on other prefills (never one of another model version than decode); the route both
-        legs follow and what decode gets, or the finished answer when the prefill's one token ended it."""
-        tried: set[Backend] = set(other_versions)
-        last_failure: LegFailed | None = None
-        for tries in range(1, self.settings.max_retries + 2):
-            try:
-                prefill = await self.scheduler.acquire("prefill", job.prompt_tokens, tried, job.key)
-            except NoBackendAvailable:
-                if last_failure is None:
-                    raise
-                break
-            route = self.handoff.route(job.request_id, prefill, decode)
-            log_event(events.ROUTER_SCHEDULED, f"prefill {prefill.url} → decode {decode.url}", request_id=job.request_id,
-                      prefill=prefill.url, decode=decode.url, policy=self.settings.policy, mode=self.mode, attempt=attempt, prefill_attempt=tries)
-            started = time.perf_counter()
-            try:
-                answer = await post_json(self.session, prefill, job.path, job.prefill_body(route.prefill_params), route.request_id,
-                                         self._timeouts["prefill"])
-            except LegFailed as failure:
-                if failure.blames_decode:
-                    # The prefill could not push its KV to this decode: the decode (or the KV path to it) is at fault,
-                    # not the prefill. Never retry the prefill leg against it: _run re-picks the pair without it, and its
-                    # breaker counts the failure. It is not marked down: the router's own path to it may be fine (a cut
-                    # KV network); a dead decode is found by the router's legs and probes (refused: down at once).
-                    self._succeeded(prefill)
-                    log_event(events.ROUTER_PREFILL_FAILED, f"prefill {prefill.url} could not hand KV to decode {decode.url}: "
-                              f"{failure.error.message}", "WARNING", request_id=job.request_id, prefill=prefill.url,
-                              status=failure.status, error=failure.error.message, attempt=tries, retried=False)
-                    self._failed(decode, LegFailed(failure.error, retryable=True, status=failure.status, code=failure.code))
-                    raise
-                self._failed(prefill, failure)
-                retried = failure.retryable and tries <= self.settings.max_retries
-                log_event(events.ROUTER_PREFILL_FAILED, f"prefill {prefill.url} failed: {failure.error.message}", "WARNING",
-                          request_id=job.request_id, prefill=prefill.url, status=failure.status, error=failure.error.message,
-                          attempt=tries, retried=retried)
-                if not failure.retryable:
-                    raise failure.error from None
-                tried.add(prefill)
-                last_failure = failure
-                if retried:
-                    self.metrics.retries.inc(role="prefill")
-                continue
-            finally:
-                self.scheduler.release(prefill, job.prompt_tokens)
-            self._succeeded(prefill)
-            answered_at = self._clock()
-            elapsed = time.perf_counter() - started
-            self.metrics.prefill.observe(elapsed)
-            self.metrics.observe_prompt_cache(prefill, answer.get("usage") if isinstance(answer, dict) else None)
-            finish = _finish_reason(answer)
-            if finish not in (None, "length"):
-                # The one token ended the answer (EOS, a stop string). vLLM 0.32 still hands on kv_transfer_params
-                # (it keeps FINISHED_STOPPED blocks for a remote decode; fixtures/vllm_nixl_prefill_eos.json), and a
-                # decode leg would generate past the end. The answer is complete: no decode leg.
-                log_event(events.ROUTER_PREFILL_FINISHED, f"prefill {prefill.url} finished the answer ({finish})",
-                          request_id=job.request_id, prefill=prefill.url, decode=decode.url, finish_reason=finish)
-                return _Handed(route, None, prefill.url, answered_at, finished=answer)
-            try:
-                kv_params = self.handoff.decode_params(route, answer)
-            except UpstreamError as err:
-                log_event(events.ROUTER_PREFILL_FAILED, f"prefill {prefill.url} answered without kv_transfer_params", "ERROR",
-                          request_id=job.request_id, prefill=prefill.url, status=200, error=err.message, attempt=tries, retried=False)
-                raise
-            log_event(events.ROUTER_PREFILL_DONE, f"prefill done in {elapsed * 1000:.1f} ms", request_id=job.request_id,
-                      prefill=prefill.url, prefill_ms=round(elapsed * 1000, 2), transfer_id=route.transfer_id)
-            log_event(events.ROUTER_KV_HANDOFF, f"handing KV to decode {decode.url}", request_id=job.request_id, decode=decode.url,
-                      transfer_id=route.transfer_id, kv_transfer_params=sorted(kv_params or ()))
-            return _Handed(route, kv_params, prefill.url, answered_at, cached_tokens=_prefill_cached_tokens(answer, kv_params))
-        assert last_failure is not None, "prefill loop ended without a failure"
-        raise last_failure.error
-
-    async def _decode(self, job: _Job, decode: Backend, kv_params: dict[str, Any] | None, leg_id: str) -> _Leg:
-        """3. The decode leg (X-Request-ID `leg_id`); returns once it answered (JSON) or produced its first chunk (stream)."""
-        body = job.decode_body(kv_params)
-        sent = time.perf_counter()
-        if not job.stream:
-            try:
-                answer = await post_json(self.session, decode, job.path, body, leg_id, self._timeouts["decode_json"])
-            except LegFailed as failure:
-                self._failed(decode, failure)
-                raise
-            self._succeeded(decode)
-            return _Leg(decode, answer=answer)
-        response: aiohttp.ClientResponse | None = None
-        try:
-            async with asyncio.timeout(self._first_chunk_s):
-                response = await open_stream(self.session, decode, job.path, body, leg_id, self._timeouts["decode_stream"])
-                batches = aiter(read_event_batches(response.content))
-                frames = [data for _event, data in await anext(batches, [(None, DONE)])]
-                if frames[0] == DONE:
-                    raise LegFailed(UpstreamError("the decode engine closed the stream before its first chunk"), retryable=True)
-                first = self._parse_chunk(decode, frames[0])
-        except LegFailed as failure:
-            if response is not None:
-                response.close()
-            self._failed(decode, failure)
-            raise
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as exc:
-            if response is not None:
-                response.close()
-            failure = exception_failure(decode, exc, "before the first chunk")
-            self._failed(decode, failure)
-            raise failure from exc
-        except BaseException:
-            if response is not None:
-                response.close()
-            raise
-        self._first_token(job, decode, sent)
-        return _Leg(decode, response=response, batches=batches, first=first, rest=frames[1:])
-
-    async def stream(self, request_id: str, path: str, body: dict[str, Any], headers: Mapping[str, str] = NO_HEADERS) -> AsyncIterator[list[dict[str, Any]]]:
-        """4. Relay: yield the decode engine's chunks as dicts, in batches: the chunks of one network read, so the
-        API writes them in one send (a burst, or a router running behind, costs one send, not one per token).
-        Always ends with a usage chunk (see module doc). `headers`: the client's (session affinity)."""
-        job = _Job.make(request_id, path, body, True, self.settings, headers)
-        leg = await self._run_within_deadline(job)
-        if leg.answer is not None:  # the prefill finished the answer: its JSON, as the chunks decode would have sent
-            try:
+            if leg.answer is not None:  # the prefill finished the answer: its JSON, as the chunks decode would have sent
                 yield answer_chunks(leg.answer)
-            finally:
-                self.scheduler.release(leg.decode, job.decode_tokens)
-            return
-        decode, response, batches = leg.decode, leg.response, leg.batches
-        assert response is not None and batches is not None and leg.first is not None, "stream leg opened without a first chunk"
-        tally = _Tally(self.metrics, job.started)
-        done = False
-        try:
+                return
+            assert leg.batches is not None and leg.first is not None, "stream leg opened without a first chunk"
+            done = False
             chunks, frames = [leg.first], leg.rest
             while True:
                 bad: Exception | None = None  # a bad frame fails the stream after the good ones before it
@@ -530,102 +99,181 @@ class PDClient:
                         done = True
                         break
                     try:
-                        chunks.append(self._parse_chunk(decode, data))
+                        chunks.append(parse_chunk(leg.decode, data))
                     except (LegFailed, ValueError) as exc:
                         bad = exc
                         break
                 if chunks:
                     tally.count(chunks)
-                    for chunk in chunks:
-                        _report_cached(chunk.get("usage"), leg.prefill_cached)
-                    yield chunks
+                    if tally.usage is not None:  # the usage chunk came in this batch
+                        report_cached(tally.usage, leg.prefill_cached)
+                    yield chunks  # the chunks of one network read: the API writes them in one send
                 if bad is not None:
                     raise bad
                 if done:
                     break
-                batch = await anext(batches, None)
+                batch = await anext(leg.batches, None)
                 if batch is None:
                     break
                 chunks, frames = [], [data for _event, data in batch]
-            if not (done and tally.finished):
-                raise LegFailed(UpstreamError("the decode engine's stream ended early (no finish_reason or [DONE]); the answer is incomplete"),
-                                retryable=True)
+            if not (done and tally.finished):  # never a silent truncation
+                raise LegFailed(UpstreamError("the decode engine's stream ended early (no finish_reason or [DONE]); the answer is "
+                                              "incomplete"), retryable=True)
             if tally.usage is None:
                 # Engines that ignore include_usage: count relayed chunks (prompt from the router's estimate).
-                usage = {"prompt_tokens": job.prompt_tokens, "completion_tokens": tally.tokens, "total_tokens": job.prompt_tokens + tally.tokens}
+                usage = {"prompt_tokens": job.prompt_tokens, "completion_tokens": tally.tokens,
+                         "total_tokens": job.prompt_tokens + tally.tokens}
                 yield [{"id": leg.first.get("id", ""), "object": leg.first.get("object", "chat.completion.chunk"),
                         "created": leg.first.get("created", 0), "model": leg.first.get("model", ""), "choices": [], "usage": usage}]
-            self._succeeded(decode)
-            if not self.handoff.prefill_leg:
-                self.metrics.observe_prompt_cache(decode, tally.usage)
+            self.pairing.outcome(leg.decode)
+            if not self.fleet.handoff.prefill_leg:
+                self.metrics.observe_prompt_cache(leg.decode, tally.usage)
             self.metrics.observe_stream(tally.first - job.started, tally.last - tally.first, tally.tokens)  # TPOT, goodput
         except (GeneratorExit, asyncio.CancelledError):
             log_event(events.ROUTER_CLIENT_DISCONNECTED, "client went away; upstream decode cancelled", "WARNING",
-                      request_id=job.request_id, decode=decode.url, chunks_relayed=tally.tokens)
+                      request_id=job.request_id, decode=leg.decode.url, chunks_relayed=tally.tokens)
             raise
-        except LegFailed as failure:
-            self._decode_failed(job, decode, failure, mid_stream=True)
-            raise failure.error from None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as exc:
-            failure = exception_failure(decode, exc, "mid-stream")
-            self._decode_failed(job, decode, failure, mid_stream=True)
+        except (LegFailed, aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as exc:
+            failure = exc if isinstance(exc, LegFailed) else exception_failure(leg.decode, exc, "mid-stream")
+            self.pairing.outcome(leg.decode, failure)
+            self._decode_failed(job, leg.decode, failure, mid_stream=True, retried=False)
             raise failure.error from None
         finally:
-            response.close()  # unless finished, this drops the connection: the engine cancels and frees the KV
-            self.scheduler.release(decode, job.decode_tokens)
+            if leg.response is not None:
+                leg.response.close()  # unless finished, this drops the connection: the engine cancels and frees the KV
+            self.pairing.release_decode(tried)
 
-    def _check_lease(self, job: _Job, handed: _Handed, decode: Backend) -> None:
-        """Never send a decode leg after the prefill's KV lease ([scheduler] kv_lease_ms) ran out: vLLM would read
-        freed blocks ("Potentially invalid KV blocks …") and still answer 200. Retryable: a new pair, a new prefill."""
-        waited_s = self._clock() - handed.answered_at
-        if waited_s * 1000 < self.settings.kv_lease_ms:
-            return
-        log_event(events.ROUTER_KV_EXPIRED, f"prefill {handed.prefill_url}'s KV lease ran out before the decode leg was sent",
-                  "WARNING", request_id=job.request_id, prefill=handed.prefill_url, decode=decode.url,
-                  lease_ms=self.settings.kv_lease_ms, waited_ms=round(waited_s * 1000, 1))
-        raise LegFailed(UpstreamError(f"the prefill's KV blocks expired (kv_lease_ms {self.settings.kv_lease_ms}) before "
-                                      "the decode leg could be sent", code="kv_expired"), retryable=True, code="kv_expired")
+    async def _run_within_deadline(self, job: Job, tried: Tried) -> Leg:
+        """_run under the request's deadline (deadlines.py): queue waits, legs and retries together never take longer.
+        Giving up cancels the leg in flight, which closes its connection."""
+        deadline_s = job.budgets.deadline_s
+        try:
+            async with asyncio.timeout(deadline_s):
+                return await self._run(job, tried)
+        except BaseException as exc:
+            decode = tried.held
+            if decode is not None:
+                self.pairing.release_decode(tried)
+            if isinstance(exc, TimeoutError):
+                log_event(events.ROUTER_DEADLINE_EXCEEDED, f"no answer within the request deadline ({deadline_s:g}s); legs closed",
+                          "WARNING", request_id=job.request_id, deadline_ms=round(deadline_s * 1000), prompt_tokens=job.budgets.tokens,
+                          stream=job.stream)
+                raise UpstreamTimeout(f"no answer within the router's request deadline ({deadline_s:g}s); retry shortly",
+                                      code="deadline_exceeded", headers={"Retry-After": "1"}) from None
+            if isinstance(exc, asyncio.CancelledError):
+                log_event(events.ROUTER_CLIENT_DISCONNECTED, "client went away before the first byte; upstream legs cancelled",
+                          "WARNING", request_id=job.request_id, decode=decode.url if decode else None, chunks_relayed=0)
+            raise
 
-    # -- outcomes ----------------------------------------------------------------------------------
-    def _parse_chunk(self, decode: Backend, data: str) -> dict[str, Any]:
-        chunk = json.loads(data)
-        if not isinstance(chunk, dict):
-            raise ValueError("chunk is not a JSON object")
-        if "error" in chunk:  # vLLM-style in-band error
-            error = chunk["error"]
-            code = error.get("code") if isinstance(error, dict) else None  # vLLM: the HTTP status, an int
-            status = code if isinstance(code, int) and not isinstance(code, bool) and code >= 400 else 502
-            log_event(events.ROUTER_UPSTREAM_ERROR, f"decode {decode.url} sent an in-band error", "WARNING",
-                      backend=decode.url, role=decode.role, status=status, body=data[:2000])
-            raise status_failure(decode, status, EngineError.parse(data))
-        return chunk
+    async def _run(self, job: Job, tried: Tried) -> Leg:
+        """1. A pair, its prefill leg, its decode leg; another pair (or prefill) after a retryable failure, until decode
+        answered (JSON) or yielded its first chunk."""
+        while True:
+            pair = await self.pairing.acquire_pair(job, tried)
+            leg_role = "prefill" if pair.prefill is not None else "decode"
+            try:
+                handed_on = await self._prefill(job, pair) if pair.prefill is not None else None
+                leg_role = "decode"
+                if handed_on is not None and handed_on.finished is not None:
+                    return Leg(pair.decode, answer=handed_on.finished)
+                if handed_on is not None:
+                    handed_on.check_lease(self.fleet.clock(), self.settings.kv_lease_ms, job.request_id, pair.decode.url)
+                leg = await self._decode(job, pair, handed_on)
+                leg.prefill_cached = handed_on.cached_tokens if handed_on else None
+                return leg
+            except LegFailed as failure:
+                retried = self.pairing.failed(pair, tried, failure, leg_role)
+                if leg_role == "prefill" and pair.prefill is not None:
+                    blame = f"could not hand KV to decode {pair.decode.url}" if failure.blames_decode else "failed"
+                    log_event(events.ROUTER_PREFILL_FAILED, f"prefill {pair.prefill.url} {blame}: {failure.error.message}", "WARNING",
+                              request_id=job.request_id, prefill=pair.prefill.url, decode=pair.decode.url, status=failure.status,
+                              code=failure.code, error=failure.error.message, attempt=pair.prefill_try, retried=retried)
+                else:
+                    self._decode_failed(job, pair.decode, failure, mid_stream=False, retried=retried)
+                if not retried:
+                    raise failure.error from None
 
-    def _first_token(self, job: _Job, decode: Backend, sent: float) -> None:
+    async def _prefill(self, job: Job, pair: Pair) -> Handed:
+        """2. The prefill leg: what decode gets, or the finished answer when the prefill's one token ended it."""
+        prefill, route = pair.prefill, pair.route
+        assert prefill is not None, "prefill leg for a pair without a prefill"
+        started = time.perf_counter()
+        try:
+            answer = await post_json(self.fleet.session, prefill, job.path, job.prefill_body(route.prefill_params), route.request_id,
+                                     timeout(self.settings.connect_timeout_ms, round(job.budgets.prefill_s * 1000)))
+        finally:
+            self.pairing.release_prefill(pair, job)
+        self.pairing.outcome(prefill)
+        elapsed = time.perf_counter() - started
+        self.metrics.prefill.observe(elapsed)
+        self.metrics.observe_prompt_cache(prefill, answer.get("usage"))
+        try:
+            result = handed(self.fleet.handoff, route, prefill.url, answer, self.fleet.clock())
+        except UpstreamError as err:
+            log_event(events.ROUTER_PREFILL_FAILED, f"prefill {prefill.url} answered without kv_transfer_params", "ERROR",
+                      request_id=job.request_id, prefill=prefill.url, status=200, error=err.message, attempt=pair.prefill_try, retried=False)
+            raise
+        if result.finished is not None:
+            log_event(events.ROUTER_PREFILL_FINISHED, f"prefill {prefill.url} finished the answer ({result.finish_reason})",
+                      request_id=job.request_id, prefill=prefill.url, decode=pair.decode.url, finish_reason=result.finish_reason)
+            return result
+        log_event(events.ROUTER_PREFILL_DONE, f"prefill done in {elapsed * 1000:.1f} ms", request_id=job.request_id,
+                  prefill=prefill.url, prefill_ms=round(elapsed * 1000, 2), transfer_id=route.transfer_id)
+        log_event(events.ROUTER_KV_HANDOFF, f"handing KV to decode {pair.decode.url}", request_id=job.request_id, decode=pair.decode.url,
+                  transfer_id=route.transfer_id, kv_transfer_params=sorted(result.kv_params or ()))
+        return result
+
+    async def _decode(self, job: Job, pair: Pair, handed_on: Handed | None) -> Leg:
+        """3. The decode leg; returns once it answered (JSON) or produced its first chunk (stream). A decode that
+        computes the prompt itself (no prefill leg) gets the prompt's prefill time too."""
+        decode, leg_id = pair.decode, pair.route.request_id
+        body = job.decode_body(handed_on.kv_params if handed_on else None)
+        computes_prompt = handed_on is None
+        sent = time.perf_counter()
+        if not job.stream:
+            try:
+                answer = await post_json(self.fleet.session, decode, job.path, body, leg_id,
+                                         timeout(self.settings.connect_timeout_ms, round(job.budgets.decode_json(computes_prompt) * 1000)))
+            except LegFailed as failure:
+                self.pairing.outcome(decode, failure)
+                raise
+            self.pairing.outcome(decode)
+            return Leg(decode, answer=answer)
+        response: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout(first_chunk_s := job.budgets.first_chunk(computes_prompt)):
+                # A decode computing the prompt is silent until its first chunk: the silence it may keep grows to match.
+                stream_timeout = self._stream_timeout if not computes_prompt else timeout(
+                    self.settings.connect_timeout_ms, self.settings.request_timeout_ms + round(job.budgets.work_s * 1000),
+                    max(self.settings.idle_timeout_ms, round(first_chunk_s * 1000)))
+                response = await open_stream(self.fleet.session, decode, job.path, body, leg_id, stream_timeout)
+                batches = aiter(read_event_batches(response.content))
+                frames = [data for _event, data in await anext(batches, [(None, DONE)])]
+                if frames[0] == DONE:
+                    raise LegFailed(UpstreamError("the decode engine closed the stream before its first chunk"), retryable=True)
+                first = parse_chunk(decode, frames[0])
+        except BaseException as exc:
+            if response is not None:
+                response.close()  # given up before the first chunk: the engine sees the disconnect
+            if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError)):
+                exc = exception_failure(decode, exc, "before the first chunk")
+            if isinstance(exc, LegFailed):
+                self.pairing.outcome(decode, exc)
+            raise exc
+        self._first_token(job, pair, sent)
+        return Leg(decode, response=response, batches=batches, first=first, rest=frames[1:])
+
+    def _first_token(self, job: Job, pair: Pair, sent: float) -> None:
         """Streams only: a non-streamed answer has no first-token moment the router can see."""
         now = time.perf_counter()
         ttft = now - job.started
-        self.metrics.ttft.observe(ttft, mode=self.mode)
-        if self.handoff.prefill_leg:
+        self.metrics.ttft.observe(ttft, mode=self.pairing.mode)
+        if self.fleet.handoff.prefill_leg:
             self.metrics.kv_handoff.observe(now - sent)
         log_event(events.ROUTER_DECODE_FIRST_TOKEN, f"first token after {ttft * 1000:.1f} ms", request_id=job.request_id,
-                  decode=decode.url, ttft_ms=round(ttft * 1000, 2))
+                  decode=pair.decode.url, ttft_ms=round(ttft * 1000, 2))
 
-    def _failed(self, backend: Backend, failure: LegFailed) -> None:
-        self.metrics.backend_requests.inc(backend=backend.url, role=backend.role, outcome="error" if failure.retryable else "rejected")
-        if not failure.retryable:
-            backend.breaker.on_success()  # the engine answered properly; the request itself was bad
-            return
-        backend.breaker.on_failure()
-        if failure.unreachable and self.settings.health_interval_ms:
-            self.scheduler.mark(backend, False, "connect failed")  # the health monitor brings it back when SERVING
-
-    def _succeeded(self, backend: Backend) -> None:
-        self.metrics.backend_requests.inc(backend=backend.url, role=backend.role, outcome="ok")
-        backend.breaker.on_success()
-
-    def _decode_failed(self, job: _Job, decode: Backend, failure: LegFailed, *, mid_stream: bool, retried: bool = False) -> None:
-        if mid_stream:
-            self._failed(decode, failure)
+    def _decode_failed(self, job: Job, decode: Any, failure: LegFailed, *, mid_stream: bool, retried: bool) -> None:
         log_event(events.ROUTER_DECODE_FAILED, f"decode {decode.url} failed{' mid-stream' if mid_stream else ''}: {failure.error.message}",
                   "ERROR" if mid_stream else "WARNING", request_id=job.request_id, decode=decode.url, status=failure.status,
                   error=failure.error.message, mid_stream=mid_stream, retried=retried)

@@ -26,11 +26,12 @@ from stack.common.metrics import Counter
 from stack.router import affinity
 from stack.router.affinity import Affinity, Guard
 from stack.router.backends import Backend
+from stack.router.handoff import HandoffSettings
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    """The [scheduler] table: policy, queue, retries, health, breakers and upstream timeouts."""
+class SchedulerConfig(HandoffSettings):
+    """The [scheduler] table: policy, queue, retries, health, breakers and upstream timeouts (kv_*: handoff.py)."""
 
     # load_aware = fewest outstanding tokens; cache_aware = session / prompt-prefix affinity with an imbalance guard,
     # load_aware for requests without a key (affinity.py)
@@ -40,16 +41,6 @@ class SchedulerConfig:
     # this many requests in flight beyond the least loaded one AND more than balance_rel_threshold times as many
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
-    # How prefill hands its KV to decode (handoff.py; KV_CONNECTOR overrides): "pd-push" = our engines (prefill pushes
-    # to the KV port decode reports on GET /health), "nixl" = vLLM NixlConnector (prefill's kv_transfer_params go to
-    # decode unchanged), "p2pnccl" = vLLM P2pNcclConnector (engines register on [p2pnccl] registry_port; the KV route
-    # is in the request id). Identical prefill and decode endpoints are colocated whatever this says: one request.
-    kv_connector: Literal["pd-push", "nixl", "p2pnccl"] = "pd-push"
-    kv_transfer_timeout_ms: int = 5000  # the article's; the decode leg may wait this long for KV before its first token
-    # vLLM NixlConnector frees the prefill's blocks this long after the prefill finished unless a decode pulls them
-    # (its kv_connector_extra_config kv_lease_duration, 30 s by default; a late pull reads freed blocks and still answers
-    # 200): the router never sends a decode leg later than this after the prefill answered; it re-picks the pair.
-    kv_lease_ms: int = 30_000
     queue_size: int = 256  # requests allowed to wait for a backend slot; more get 429 + Retry-After
     queue_timeout_ms: int = 10_000  # longest wait for a slot; then 503 + Retry-After
     max_retries: int = 2  # extra attempts after a retryable failure (another prefill; or a new pair before decode's first byte)
@@ -60,23 +51,34 @@ class SchedulerConfig:
     health_timeouts_to_down: int = 3
     breaker_failures: int = 5  # consecutive failures that open a backend's circuit
     breaker_cooldown_ms: int = 10_000  # an open circuit lets one trial request through after this
+    # Leg timeouts (deadlines.py, docs/deadlines.md). A prompt's prefill may take work_s(T) = T / prefill_tokens_per_s
+    # × (1 + T / prefill_attention_tokens) on top of the fixed budgets below, T its size (characters, capped at the
+    # window): the prefill leg, the request's deadline, and a decode leg that computes the prompt itself grow by it.
     connect_timeout_ms: int = 2000  # TCP connect to an engine
-    prefill_timeout_ms: int = 60_000  # the whole prefill leg (long prompts on CPU take seconds)
+    prefill_timeout_ms: int = 60_000  # the whole prefill leg of a short prompt (KV push included)
+    # The slowest prefill throughput on short prompts the budgets allow (a loaded 2-core host running dummy:small;
+    # a 60k-token prompt then gets ~43 min, room for what it takes there).
+    prefill_tokens_per_s: int = 250
+    # The prompt length at which attention costs as much as the rest of a prefill: parameters / (layers × width)
+    # (dummy:small ~6k, a 7B model ~53k); 0 = no quadratic term.
+    prefill_attention_tokens: int = 6144
     first_token_timeout_ms: int = 30_000  # decode leg: headers + first chunk, on top of kv_transfer_timeout_ms
     idle_timeout_ms: int = 30_000  # longest silence between two chunks of a decode stream
     decode_timeout_ms: int = 120_000  # a non-streamed decode leg, whole (it sends nothing until it is done)
     request_timeout_ms: int = 600_000  # a streamed decode leg, whole (idle_timeout_ms bounds each silence in it)
     # The one bound over everything before a request's first byte (streams) or its whole answer (non-streamed): queue
-    # waits, prefill, KV hand-off, retries on other backends. Past it: 504 deadline_exceeded. See worst_case_s().
+    # waits, prefill, KV hand-off, retries on other backends; a long prompt adds its work_s. Past it: 504
+    # deadline_exceeded. See deadlines.worst_case_s().
     deadline_ms: int = 120_000
     default_max_tokens: int = 256  # load estimate for requests that do not say max_tokens
 
     def __post_init__(self) -> None:
-        for name in ("kv_transfer_timeout_ms", "kv_lease_ms", "queue_timeout_ms", "breaker_failures", "breaker_cooldown_ms", "health_timeouts_to_down",
-                     "connect_timeout_ms", "decode_timeout_ms", "deadline_ms",
+        super().__post_init__()
+        for name in ("queue_timeout_ms", "breaker_failures", "breaker_cooldown_ms", "health_timeouts_to_down",
+                     "connect_timeout_ms", "decode_timeout_ms", "deadline_ms", "prefill_tokens_per_s",
                      "prefill_timeout_ms", "first_token_timeout_ms", "idle_timeout_ms", "request_timeout_ms", "default_max_tokens"):
             check(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
-        for name in ("queue_size", "max_retries", "health_interval_ms", "balance_abs_threshold"):
+        for name in ("queue_size", "max_retries", "health_interval_ms", "balance_abs_threshold", "prefill_attention_tokens"):
             check(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         check(self.affinity_prefix_chars > 0, "affinity_prefix_chars", f"must be > 0, got {self.affinity_prefix_chars}")
         check(self.balance_rel_threshold >= 1.0, "balance_rel_threshold",
@@ -85,27 +87,6 @@ class SchedulerConfig:
     @property
     def guard(self) -> Guard:
         return Guard(self.balance_abs_threshold, self.balance_rel_threshold)
-
-
-def worst_case_s(config: SchedulerConfig) -> dict[str, float]:
-    """How long a request can take at most, from the settings alone (README "What happens when…", GET /health).
-
-    Before the first byte every wait is bounded twice: by its own leg timeout, and by `deadline_ms` over all of them.
-    The legs' own sum (attempts × (queue + prefill tries × (queue + prefill) + KV + first token)) is usually larger than
-    the deadline, so the deadline is what a client sees; both are reported.
-    """
-    tries = config.max_retries + 1
-    q, p = config.queue_timeout_ms, config.prefill_timeout_ms
-    first_byte_legs = config.queue_timeout_ms + tries * (tries * (q + p) + config.kv_transfer_timeout_ms + config.first_token_timeout_ms)
-    json_legs = config.queue_timeout_ms + tries * (tries * (q + p) + config.decode_timeout_ms)
-    first_byte = min(first_byte_legs, config.deadline_ms)
-    return {
-        "first_byte_s": first_byte / 1000,  # a stream's first chunk or an explicit error
-        "non_streamed_s": min(json_legs, config.deadline_ms) / 1000,  # a whole non-streamed answer or an explicit error
-        "stream_s": (first_byte + config.request_timeout_ms) / 1000,  # a whole stream (each silence ≤ idle_timeout_ms)
-        "stream_silence_s": config.idle_timeout_ms / 1000,  # the longest gap between two chunks before an in-band error
-        "queue_wait_s": config.queue_timeout_ms / 1000,
-    }
 
 
 class NoBackendAvailable(Overloaded):

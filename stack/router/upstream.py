@@ -32,6 +32,9 @@ from stack.common.logging import client_request_id, log_event
 from stack.router.backends import Backend
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
+# A prefill leg's 503 when the decode cannot hold the prompt's KV (the engine's code): retried on another decode, and
+# the client's 503 when none can (never a 502: nothing is broken, the decodes are full).
+DECODE_KV_CAPACITY = "decode_kv_capacity"
 
 
 class LegFailed(Exception):
@@ -49,7 +52,9 @@ class LegFailed(Exception):
     @property
     def blames_decode(self) -> bool:
         """A prefill leg that failed because its KV push to decode failed (the engine's `kv_*` codes, not a timeout
-        waiting for KV): the decode is at fault, so the pair is re-picked and this decode is not tried again."""
+        waiting for KV) or the decode has no room for the KV: the pair is re-picked and this decode not tried again."""
+        if self.code == DECODE_KV_CAPACITY:
+            return True
         return bool(self.code) and self.code.startswith("kv_") and self.code not in ("kv_not_a_producer", "kv_prompt_mismatch")
 
 
@@ -94,6 +99,8 @@ def status_failure(backend: Backend, status: int, error: EngineError) -> LegFail
         api_error: APIError = client_errors[status](message, code=error.code or "upstream_rejected", param=error.param)
     elif 400 <= status < 500 and status != 429:
         api_error = InvalidRequest(message, code=error.code or f"upstream_{status}", param=error.param)
+    elif status == 503 and error.code == DECODE_KV_CAPACITY:
+        api_error = Overloaded(message, code=DECODE_KV_CAPACITY, headers={"Retry-After": "1"})
     elif status in (429, 503):
         api_error = Overloaded(f"{name} is overloaded: {message}", code="upstream_overloaded")
     elif status == 504:
@@ -158,16 +165,25 @@ def _headers(request_id: str) -> dict[str, str]:
 
 async def post_json(session: aiohttp.ClientSession, backend: Backend, path: str, body: dict[str, Any], request_id: str,
                     client_timeout: aiohttp.ClientTimeout) -> dict[str, Any]:
-    """POST a non-streamed leg and return its JSON answer, or raise LegFailed."""
+    """POST a non-streamed leg and return its JSON answer, or raise LegFailed. Cancelled (the request's deadline, the
+    client gone) or timed out, the connection is closed, not returned to the pool: the engine sees the disconnect."""
+    response: aiohttp.ClientResponse | None = None
     try:
-        async with session.post(backend.url + path, data=json.dumps(body).encode(), headers=_headers(request_id), timeout=client_timeout) as response:
-            if response.status >= 400:
-                raise await response_failure(backend, response)
-            data = json.loads(await response.read())  # engines answer UTF-8 JSON; skips charset sniffing
+        response = await session.post(backend.url + path, data=json.dumps(body).encode(), headers=_headers(request_id), timeout=client_timeout)
+        if response.status >= 400:
+            raise await response_failure(backend, response)
+        data = json.loads(await response.read())  # engines answer UTF-8 JSON; skips charset sniffing
     except LegFailed:
         raise
-    except Exception as exc:  # noqa: BLE001 - exception_failure re-raises anything it does not know
+    except BaseException as exc:
+        if response is not None:
+            response.close()
+        if not isinstance(exc, Exception):  # cancelled: not the leg's failure
+            raise
         raise exception_failure(backend, exc, "non-streamed answer") from exc
+    finally:
+        if response is not None:
+            response.release()  # read to the end (or closed above): the connection goes back to the pool
     if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
         raise LegFailed(UpstreamError(f"the {_role_name(backend)} answered without choices"), retryable=True)
     return data

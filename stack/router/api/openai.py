@@ -30,6 +30,7 @@ from stack.common.logging import log_event
 from stack.protocol.capabilities import unsupported
 from stack.protocol.fields import Fields
 from stack.protocol.parse import FIELDS, parse
+from stack.protocol.types import Request
 from stack.protocol.capabilities import VLLM_EXTRAS
 from stack.router.api.common import charge, engine_body, read_json, received, relay, vllm_extras
 from stack.router.appkeys import CONFIG, PD
@@ -83,7 +84,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     _check_chat_only(Fields(body))
     upstream = engine_body(request, req, "chat", vllm_extras(body))
     received(request, "chat", req.model, req.stream)
-    return await _answer(request, CHAT_PATH, upstream, req.model, req.include_usage)
+    return await _answer(request, CHAT_PATH, req, upstream)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -96,16 +97,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
     extras = vllm_extras(body) if vllm else {k: v for k, v in vllm_extras(body).items() if k not in ("echo", "best_of")}
     upstream = engine_body(request, req, "completions", extras)
     received(request, "completions", req.model, req.stream)
-    return await _answer(request, COMPLETIONS_PATH, upstream, req.model, req.include_usage)
+    return await _answer(request, COMPLETIONS_PATH, req, upstream)
 
 
-async def _answer(request: web.Request, path: str, upstream: dict[str, Any], model: str, include_usage: bool) -> web.StreamResponse:
+async def _answer(request: web.Request, path: str, req: Request, upstream: dict[str, Any]) -> web.StreamResponse:
     pd = request.app[PD]
-    if not upstream["stream"]:
-        result = await pd.complete(request[REQUEST_ID], path, upstream, request.headers)
+    if not req.stream:
+        result = await pd.complete(request[REQUEST_ID], path, req, upstream, request.headers)
         charge(request, result.get("usage"))
-        return web.json_response({**result, "model": model})
-    return await relay(request, pd.stream(request[REQUEST_ID], path, upstream, request.headers), _ChunkRelay(model, include_usage))
+        return web.json_response({**result, "model": req.model})
+    return await relay(request, pd.stream(request[REQUEST_ID], path, req, upstream, request.headers), _ChunkRelay(req.model, req.include_usage))
 
 
 class _ChunkRelay:

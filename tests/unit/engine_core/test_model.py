@@ -168,8 +168,8 @@ def test_golden_greedy_output(dummy_tiny: Model) -> None:
 def test_attention_paths_match_reference(tiny_model: Model, tiny_tensors: dict, monkeypatch: pytest.MonkeyPatch,
                                          block: int, thin: int) -> None:
     """Both attention paths (per-head query blocks, batched thin) match the reference, also after a cached prefix."""
-    monkeypatch.setattr("stack.engine.model.QUERY_BLOCK", block)
-    monkeypatch.setattr("stack.engine.model.THIN_QUERIES", thin)
+    monkeypatch.setattr("stack.engine.attention.QUERY_BLOCK", block)
+    monkeypatch.setattr("stack.engine.attention.THIN_QUERIES", thin)
     cache, logits = prefill(tiny_model, PROMPT)
     np.testing.assert_allclose(logits, naive_logits(TINY, tiny_tensors, PROMPT), rtol=1e-4, atol=1e-4)
     extra = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]

@@ -269,7 +269,7 @@ async def test_eos_stops_generation_unless_ignore_eos(engine_client, monkeypatch
     """A sampled end-of-sequence token ends the completion (finish_reason stop); vLLM's ignore_eos runs on to max_tokens."""
     engine = await engine_client()
     eos = engine.engine.model.tokenizer.eos_id
-    monkeypatch.setattr("stack.engine.scheduler.sample", lambda *args, **kwargs: eos)  # the model "wants" to stop at once
+    monkeypatch.setattr("stack.engine.sampling.sample", lambda *args, **kwargs: eos)  # the model "wants" to stop at once
     response = await engine.client.post("/v1/chat/completions", json=chat(max_tokens=5, ignore_eos=ignore_eos))
 
     body = await response.json()

@@ -25,16 +25,16 @@ BS = 16
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
 
 
-def make(model: Model, *, caching: bool, pool_blocks: int = 4000, dtype: str = "float32") -> Scheduler:
+def make(model: Model, *, caching: bool, pool_blocks: int = 4000) -> Scheduler:
     pool = KVPool(model.config, pool_blocks * BS * model.config.kv_bytes_per_token, BS)
     metrics = EngineMetrics()
-    prefix = PrefixCache(pool, model.fingerprint, enabled=caching, dtype=dtype, metrics=metrics)
+    prefix = PrefixCache(pool, model.fingerprint, enabled=caching, metrics=metrics)
     return Scheduler(model, pool, max_num_batched_tokens=256, max_num_seqs=8, chunked_prefill=False, metrics=metrics, prefix=prefix)
 
 
 @pytest.fixture
 def schedulers(tiny: Model, run_schedulers: Callable[[Scheduler], Scheduler]) -> Callable[..., Scheduler]:
-    """`schedulers(caching=…, pool_blocks=…, dtype=…)`: a running scheduler with its own prefix cache."""
+    """`schedulers(caching=…, pool_blocks=…)`: a running scheduler with its own prefix cache."""
     return lambda **kw: run_schedulers(make(tiny, **kw))
 
 
@@ -125,16 +125,27 @@ def test_another_fingerprint_never_reuses_blocks(tiny: Model, tiny_other_seed: M
     assert s.prefix.match(chain_hashes(tiny_other_seed.fingerprint, prompt, BS)) == []
 
 
-async def test_float16_cached_blocks_keep_greedy_outputs(schedulers, tiny: Model) -> None:
-    """kv_dtype=float16 stores blocks at half the bytes; greedy outputs of hits equal the float32 cold run."""
-    cold, warm = schedulers(caching=False), schedulers(caching=True, dtype="float16")
+async def test_a_hit_shares_the_cached_blocks_in_place(schedulers) -> None:
+    """A hit puts the cached block ids at the head of the new table (no copy, no new blocks for them); while two
+    sequences share them they are pinned, and they become evictable again when both are done."""
+    warm = schedulers(caching=True, pool_blocks=64)
     prompt = prompt_of(9, 6 * BS + 5)
-    expected, _ = await run(cold, prompt)
-    await run(warm, prompt)
-    got, cached = await run(warm, prompt + prompt_of(10, 7))
-    assert cached == 6 * BS and got == (await run(cold, prompt + prompt_of(10, 7)))[0]
-    block = next(iter(warm.prefix.blocks.values()))
-    assert block.k.dtype.name == "float16" and block.k.nbytes == BS * tiny.config.kv_bytes_per_token // 4
+    expected, _ = await run(warm, prompt)
+    cached_ids = [b.id for b in warm.prefix.match(warm.prefix.hashes(prompt))]
+    assert len(cached_ids) == 6
+    free_before = warm.pool.reclaimable_blocks
+    seqs = [warm.submit(f"r{i}", prompt + prompt_of(10 + i, 7), GREEDY) for i in range(2)]
+    while any(s.cache is None for s in seqs):  # admitted on the next step
+        await asyncio.sleep(0)
+    assert [s.cache.table[:6].tolist() for s in seqs] == [cached_ids, cached_ids]
+    assert warm.pool.refs[cached_ids].tolist() == [2] * 6 and warm.prefix.pinned >= 6
+    need = warm.pool.blocks_for(len(prompt) + 7 + GREEDY.max_tokens) - 6  # each takes only its own blocks
+    assert warm.pool.reclaimable_blocks == free_before - 2 * need - 6
+    for s in seqs:
+        while (await s.outputs.get()).finish_reason is None:
+            pass
+    assert warm.pool.refs.sum() == 0 and warm.pool.reclaimable_blocks == warm.pool.total_blocks
+    assert [s.cached_tokens for s in seqs] == [6 * BS, 6 * BS]
 
 
 async def test_usage_and_metrics_report_cached_tokens(engine_client) -> None:

@@ -127,7 +127,7 @@ async def test_decoding_from_plain_kv_arrays_matches_a_colocated_run(running, pa
 
     prefilled = await prefill.prefill("p", PROMPT, params)
     assert prefilled.kv is not None and prefilled.output.num_tokens == 1
-    kv = PromptKV(prefilled.kv.k.copy(), prefilled.kv.v.copy(), prefilled.kv.first_token, prefilled.kv.seed)  # plain arrays
+    kv = PromptKV(np.array(prefilled.kv.k), np.array(prefilled.kv.v), prefilled.kv.first_token, prefilled.kv.seed)  # plain arrays
     prefilled.release()
     seq = decode.submit("d", PROMPT, params, kv)
     got = await completion(seq)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import redis
 
 from stack.common.config import ConfigError
 from stack.router import config as router_config
@@ -75,3 +76,22 @@ def test_bad_limits_store_settings_name_file_key_and_problem(tmp_path, line: str
         router_config.load(path, env={})
     assert caught.value.file == str(path) and caught.value.key.startswith("limits_store.")
     assert "hunter2" not in str(caught.value)  # the password is not repeated
+
+
+async def test_an_admit_and_a_release_are_one_script_call_each_and_a_turn_shares_one_pipeline(store: RedisServer) -> None:
+    """Redis gets exactly one EVALSHA per take and one per give_back (no script loading, no extra read); 10 takes made in one loop turn are
+    answered together, each by its own atomic script (max_concurrent still counts every one)."""
+    counters = RedisCounters(LimitsStoreConfig(redis_url=store.url))
+    assert await counters.take("k", KeyLimits(), "warm") is None  # loads the scripts once
+    await counters.give_back("k", "warm", 0, 0)
+    admin = redis.Redis(port=store.port)
+    admin.config_resetstat()
+    assert await counters.take("k", KeyLimits(), "s1") is None
+    await counters.give_back("k", "s1", 5, 2)
+    stats = {name: value["calls"] for name, value in admin.info("commandstats").items()}
+    # (the other counts are the commands the two scripts ran inside Redis)
+    assert stats["cmdstat_evalsha"] == 2 and not {"cmdstat_script", "cmdstat_eval", "cmdstat_hgetall"} & set(stats), stats
+    results = await asyncio.gather(*(counters.take("k", KeyLimits(max_concurrent=4), f"t{i}") for i in range(10)))
+    assert sum(r is None for r in results) == 4 and await counters.in_flight("k") == 4
+    admin.close()
+    await counters.close()

@@ -164,6 +164,16 @@ def log_events(sink: io.StringIO) -> list[dict[str, Any]]:
     return [json.loads(line) for line in sink.getvalue().splitlines() if line.strip()]
 
 
+async def wait_for_events(sink: io.StringIO, event: str, count: int, bound_s: float = 5) -> list[dict[str, Any]]:
+    """The `event` lines once there are `count` of them: a request's summary line follows its usage commit, a loop
+    turn after a stream's last byte (the bound only catches a line that never comes)."""
+    deadline = time.monotonic() + bound_s
+    while len(lines := [e for e in log_events(sink) if e["event"] == event]) < count:
+        assert time.monotonic() < deadline, f"{len(lines)} of {count} {event} lines after {bound_s:g} s"
+        await asyncio.sleep(0.01)
+    return lines
+
+
 def write_settings(tmp_path: Path, engine_url: str, limits: str = "", extra: str = "", health: str = "",
                    taotoken: str = "", usage: str = "") -> Path:
     """A settings.toml for a colocated router over `engine_url`, usage in tmp_path."""

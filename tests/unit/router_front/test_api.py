@@ -6,9 +6,15 @@ import asyncio
 import json
 
 import openai
+from aiohttp.test_utils import TestClient, TestServer
 
 from stack.common import sse
-from tests.unit.router_front.conftest import BACKEND_MODEL, KEY, MODEL, auth, chat_body, log_events
+from stack.common.logging import AccessLogger
+from stack.router import config as router_config
+from stack.router.app import create_app
+from tests.unit.router_front.conftest import (
+    BACKEND_MODEL, KEY, KEY_ENV, MODEL, auth, chat_body, log_events, wait_for_events, write_settings,
+)
 
 
 async def test_request_id_is_unique_and_the_clients_is_kept_and_echoed(router, engine, logs) -> None:
@@ -25,7 +31,7 @@ async def test_request_id_is_unique_and_the_clients_is_kept_and_echoed(router, e
     assert stream.headers["X-Client-Request-ID"] == "trace-43" and engine.requests[-1]["request_id"] == stream.headers["X-Request-ID"]
     ids.append(stream.headers["X-Request-ID"])
     assert len(set(ids)) == 3 and "trace-42" not in ids
-    done = [e for e in log_events(logs) if e["event"] == "router.request_done"]
+    done = await wait_for_events(logs, "router.request_done", 3)
     assert [e["request_id"] for e in done] == ids
     assert [e["client_request_id"] for e in done] == ["trace-42", "trace-42", "trace-43"]  # on every line of the request
 
@@ -144,3 +150,20 @@ async def test_rejected_requests_are_counted_in_metrics(make_router) -> None:
     text = await (await router.get("/metrics")).text()
     for status in (401, 200, 429):
         assert f'pd_router_requests_total{{api="chat",status="{status}"}} 1' in text
+
+
+async def test_a_generation_request_logs_one_summary_line_not_an_access_line_too(engine, logs, tmp_path) -> None:
+    """router.request_done carries the status and duration, so a generation request has no http.access repeat of it;
+    other routes (no summary line of their own) keep their access line."""
+    app = create_app(router_config.load(write_settings(tmp_path, engine.url), env={}), env={KEY_ENV: KEY})
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server(access_log_class=AccessLogger)  # as stack.common.server runs the router
+    async with TestClient(server) as router:
+        done = await router.post("/v1/chat/completions", json=chat_body(), headers=auth())
+        models = await router.get("/v1/models", headers=auth())
+        assert done.status == 200 and models.status == 200
+        [summary] = await wait_for_events(logs, "router.request_done", 1)
+        [access] = await wait_for_events(logs, "http.access", 1)
+    assert summary["request_id"] == done.headers["X-Request-ID"] and summary["status"] == 200 and summary["e2e_ms"] > 0
+    assert access["path"] == "/v1/models" and access["request_id"] == models.headers["X-Request-ID"]
+    assert not [e for e in log_events(logs) if e["event"] == "http.access" and e["request_id"] == summary["request_id"]]

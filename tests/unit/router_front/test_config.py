@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -153,6 +155,23 @@ def test_main_exits_2_with_one_line_on_bad_config(tmp_path: Path) -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{path}: taotoken.api_key: looks like an API key" in lines[0]
     assert "0123456789abcdef" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("flag, setting", [("--port", "[server] port"), ("--health-port", "[server] health_port")])
+def test_main_on_a_taken_port_exits_2_naming_port_process_and_setting(tmp_path: Path, flag: str, setting: str) -> None:
+    """A router started on a port another process listens on prints one line (the port, that process, what to set)
+    and exits 2, instead of a bind traceback."""
+    path = _settings(tmp_path, f'[server]\nhost = "127.0.0.1"\nport = 0\nhealth_port = 0\n[usage]\ndb_path = "{tmp_path / "u.sqlite3"}"\n'
+                                '[prefill]\nendpoint = "http://127.0.0.1:9"\n[decode]\nendpoint = "http://127.0.0.1:9"\n')
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "stack.router", "--config", str(path), flag, str(port)],
+                                capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert f"port {port} is already in use by " in line and f"(pid {os.getpid()})" in line and setting in line, line
 
 
 def test_unwritable_usage_db_is_a_config_error(tmp_path: Path) -> None:

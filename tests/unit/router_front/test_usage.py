@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import os
 import sqlite3
 import time
+from pathlib import Path
 
+import aiohttp
 import pytest
 
+from stack.common.logging import setup_logging
 from stack.router.usage import UsageStore
-from tests.unit.router_front.conftest import auth, chat_body
+from tests.unit.router_front.conftest import KEY, KEY_ENV, ServiceProcess, auth, chat_body, free_port, write_settings
 
 
 async def test_usage_counts_requests_and_tokens_per_key(router) -> None:
@@ -74,7 +79,7 @@ async def test_finished_requests_reach_the_file_within_the_flush_interval(make_r
 def test_a_failed_write_keeps_the_requests_for_the_next_one(tmp_path) -> None:
     """If the file cannot be written (here: its table vanished), nothing is lost: the next flush writes it all."""
     store = UsageStore(tmp_path / "usage.sqlite3")
-    store.add("alice", 10, 5)  # written through at once
+    store.add("alice", 10, 5)  # no event loop: written at once
     assert store.pending == 0
     other = sqlite3.connect(tmp_path / "usage.sqlite3")
     other.execute("ALTER TABLE key_usage RENAME TO moved")
@@ -89,3 +94,85 @@ def test_a_failed_write_keeps_the_requests_for_the_next_one(tmp_path) -> None:
     store.close()
     assert other.execute("SELECT requests, prompt_tokens, completion_tokens FROM key_usage").fetchall() == [(2, 11, 6)]
     other.close()
+
+
+async def test_requests_finished_in_one_loop_turn_share_one_commit(tmp_path) -> None:
+    """On an event loop, adds are queued and written together in the next turn; durable() waits for that write."""
+    store = UsageStore(tmp_path / "usage.sqlite3")
+    reader = sqlite3.connect(tmp_path / "usage.sqlite3")
+    for tokens in (1, 2, 3):
+        store.add("alice", tokens, 0)
+    assert reader.execute("SELECT * FROM key_usage").fetchall() == []  # nothing written inside the turn
+    assert store.get("alice").prompt_tokens == 6  # but the quota already sees them
+    await store.durable()
+    assert reader.execute("SELECT requests, prompt_tokens FROM key_usage").fetchall() == [(3, 6)]
+    await store.durable()  # nothing queued: returns at once
+    reader.close()
+    store.close()
+
+
+class _FileCheckingSink(io.StringIO):
+    """A log sink that, whenever a router.request_done line is written, reads how many requests the usage file holds."""
+
+    def __init__(self, db: Path) -> None:
+        super().__init__()
+        self.db = db
+        self.done_vs_file: list[tuple[int, int]] = []  # (request_done lines so far, requests in the file then)
+
+    def write(self, text: str) -> int:
+        if '"router.request_done"' in text:
+            with sqlite3.connect(self.db) as reader:
+                row = reader.execute("SELECT requests FROM key_usage WHERE key_name = 'default'").fetchone()
+            self.done_vs_file.append((len(self.done_vs_file) + 1, row[0] if row else 0))
+        return super().write(text)
+
+
+async def test_request_done_is_logged_only_once_the_request_is_in_the_file(make_router, tmp_path) -> None:
+    """The kill -9 promise: every router.request_done line is written after its request's usage commit."""
+    sink = _FileCheckingSink(tmp_path / "usage.sqlite3")
+    setup_logging("router", sink=sink)
+    router = await make_router()
+    answers = await asyncio.gather(*(router.post("/v1/chat/completions", json=chat_body(stream=i % 2 == 0), headers=auth())
+                                     for i in range(8)))
+    assert [a.status for a in answers] == [200] * 8
+    assert len(sink.done_vs_file) == 8
+    assert all(in_file >= logged for logged, in_file in sink.done_vs_file), sink.done_vs_file
+
+
+async def test_kill_9_under_load_loses_no_request_whose_done_line_was_logged(real_engine, tmp_path) -> None:
+    """A router process killed -9 while 8 clients keep it busy: the usage file holds every request whose
+    router.request_done reached the log, and at most the 8 in flight more (committed, line not yet written)."""
+    settings = write_settings(tmp_path, real_engine.url, health=real_engine.health_addr)
+    port, health_port = free_port(), free_port()
+    router = ServiceProcess("router", ["stack.router", "--config", str(settings), "--host", "127.0.0.1", "--port", str(port),
+                                       "--health-port", str(health_port)], tmp_path / "router.log", f"127.0.0.1:{health_port}",
+                            env={**os.environ, KEY_ENV: KEY})
+    log = tmp_path / "router.log"
+
+    def done_lines() -> int:
+        return log.read_text().count('"router.request_done"')
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        while True:
+            try:
+                async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat_body(), headers=auth()) as answer:
+                    await answer.read()
+            except aiohttp.ClientError:
+                return  # the router is gone
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            clients = [asyncio.create_task(client(session)) for _ in range(8)]
+            deadline = time.monotonic() + 60  # a slow shared host; only a router that answers nothing misses it
+            while done_lines() < 40:
+                assert time.monotonic() < deadline, f"only {done_lines()} requests done in 60 s"
+                await asyncio.sleep(0.05)
+            router.process.kill()
+            router.process.wait()
+            await asyncio.gather(*clients)
+    finally:
+        router.stop()
+    logged = done_lines()
+    with sqlite3.connect(tmp_path / "usage.sqlite3") as reader:
+        [(in_file,)] = reader.execute("SELECT requests FROM key_usage WHERE key_name = 'default'").fetchall()
+    assert logged <= in_file <= logged + 8, f"{logged} request_done lines, {in_file} requests in the usage file"

@@ -23,6 +23,9 @@ from stack.common.logging import setup_logging
 from stack.router.backends import PoolConfig
 from stack.router.config import RouterConfig
 from stack.router.metrics import Metrics
+from stack.protocol.parse import parse
+from stack.protocol.types import Request
+from stack.router.fleet import Fleet
 from stack.router.pd import PDClient
 from stack.router.scheduler import SchedulerConfig
 from tests.unit.router_pd.fake_engine import FakeEngine
@@ -96,14 +99,20 @@ async def pd(session: aiohttp.ClientSession) -> AsyncIterator[Callable[..., Any]
         decode = dataclasses.replace(pool(decodes, max_concurrent, health_check), kv_addrs=kv_addrs)
         config = RouterConfig(prefill=pool(prefills, max_concurrent, health_check), decode=decode,
                               scheduler=SchedulerConfig(**settings), kv_transfer_port=kv_transfer_port)
-        client = PDClient(config, session, Metrics(), clock=clock)
-        await client.start()
+        metrics = Metrics()
+        client = PDClient(Fleet(config, session, metrics, clock=clock), metrics)
+        await client.fleet.start()
         clients.append(client)
         return client
 
     yield build
     for client in clients:
-        await client.close()
+        await client.fleet.close()
+
+
+def typed(body: dict[str, Any]) -> tuple[Request, dict[str, Any]]:
+    """A body as the API front ends hand it to PDClient: parsed (stack.protocol), and as the engines get it."""
+    return parse("chat" if "messages" in body else "completion", body), body
 
 
 async def until(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
@@ -116,7 +125,7 @@ async def until(predicate: Callable[[], bool], what: str, timeout_s: float = 10.
 
 def backend(client: PDClient, url: str) -> Any:
     """The router's Backend for `url`."""
-    return next(b for b in client.scheduler.backends if b.url == url)
+    return next(b for b in client.fleet.scheduler.backends if b.url == url)
 
 
 async def wait_for_state(client: PDClient, url: str, state: str, timeout_s: float = 10.0) -> None:
@@ -139,9 +148,9 @@ def relay_app(client: PDClient) -> Any:
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if not body.get("stream"):
-            return web.json_response(await client.complete(request[REQUEST_ID], request.path, body))
+            return web.json_response(await client.complete(request[REQUEST_ID], request.path, *typed(body)))
         stream = None
-        async with aclosing(client.stream(request[REQUEST_ID], request.path, body)) as batches:
+        async with aclosing(client.stream(request[REQUEST_ID], request.path, *typed(body))) as batches:
             try:
                 async for batch in batches:
                     stream = stream or await open_stream(request)

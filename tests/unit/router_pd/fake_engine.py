@@ -48,6 +48,8 @@ class Faults:
     burst: bool = False  # write the whole stream at once (a fast engine, or a router running behind, reads it so)
     delay_s: float = 0.0  # wait before answering (keeps slots busy)
     kv_push_failed: int = 0  # a prefill leg answers our engine's 502 kv_connect_failed (its push to decode failed)
+    decode_kv_capacity: int = 0  # a prefill leg answers our engine's 503 decode_kv_capacity (the decode has no room)
+    prefill_delay_s: float = 0.0  # a prefill leg computes this long before answering (a long prompt)
 
 
 @dataclass
@@ -61,7 +63,8 @@ class FakeEngine:
     faults: Faults = field(default_factory=Faults)
     seen: list[dict[str, Any]] = field(default_factory=list)
     prefill_answers: list[dict[str, Any]] = field(default_factory=list)  # every answer to a prefill leg, as sent
-    disconnects: int = 0
+    disconnects: int = 0  # requests whose client (the router) went away before the answer was sent
+    max_model_len: int | None = None  # the window /v1/models reports (vLLM's field), if any
     serving: bool = True  # what both health endpoints say: gRPC health and vLLM-style GET /health
     kv_port: int | None = FAKE_KV_PORT  # reported on GET /health by decodes, as our engine does (None: not reported)
     url: str = ""
@@ -104,9 +107,17 @@ class FakeEngine:
         return web.json_response(body, status=200 if self.serving else 503)
 
     async def _models(self, _request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        model = {"id": "fake-model", "object": "model", **({"max_model_len": self.max_model_len} if self.max_model_len else {})}
+        return web.json_response({"object": "list", "data": [model]})
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self._answer_request(request)
+        except asyncio.CancelledError:  # aiohttp cancels the handler when the caller closes the connection
+            self.disconnects += 1
+            raise
+
+    async def _answer_request(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append({"headers": dict(request.headers), **body})
         faults = self.faults
@@ -128,7 +139,14 @@ class FakeEngine:
             faults.kv_push_failed -= 1
             message = f"cannot push KV to decode_kv_addr {params.get('decode_kv_addr')}: gaierror: Name or service not known"
             return web.json_response({"error": {"message": message, "type": "upstream_error", "code": "kv_connect_failed"}}, status=502)
+        if faults.decode_kv_capacity and params.get("do_remote_decode"):
+            faults.decode_kv_capacity -= 1
+            message = (f"decode {params.get('decode_kv_addr')} cannot hold this prompt's KV: needs 3 tokens (48 KiB), "
+                       "0 tokens free")
+            return web.json_response({"error": {"message": message, "type": "overloaded_error", "code": "decode_kv_capacity"}},
+                                     status=503)
         if params.get("do_remote_decode"):
+            await asyncio.sleep(faults.prefill_delay_s)
             return self._prefill_answer(body, params)
         if not body.get("stream"):
             return web.json_response(self.decode_answer or self._answer(body, "x" * self.tokens, self.tokens))
@@ -190,7 +208,7 @@ class FakeEngine:
                                                                    "total_tokens": 3 + self.tokens}}))
             await response.write(b"".join(pending))
             await send_done(response)
-        except (asyncio.CancelledError, ConnectionError):
+        except ConnectionError:  # a write to a closed connection (a cancelled handler counts in _handle)
             self.disconnects += 1
             raise
         return response

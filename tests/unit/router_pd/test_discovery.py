@@ -11,7 +11,7 @@ from stack.common import events
 from stack.common.errors import Overloaded
 from stack.router import config as router_config
 from stack.router.discovery import KVHint, kv_hints
-from tests.unit.router_pd.conftest import backend, wait_for_state
+from tests.unit.router_pd.conftest import backend, wait_for_state, typed
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
@@ -21,7 +21,7 @@ async def test_the_kv_address_is_the_decode_host_and_the_port_it_reports(fake, p
     prefill, decode = await fake("prefill"), await fake("decode", kv_port=7123)
     client = await pd([prefill], [decode])
     assert backend(client, decode.url).kv_addr == "127.0.0.1:7123"
-    await client.complete("r1", "/v1/chat/completions", dict(CHAT))
+    await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
     assert prefill.seen[0]["kv_transfer_params"]["decode_kv_addr"] == "127.0.0.1:7123"
     [learned] = logs.events(events.BACKEND_KV_ADDR)
     assert learned["backend"] == decode.url and learned["kv_addr"] == "127.0.0.1:7123" and learned["reported_by"] == f"GET {decode.url}/health"
@@ -35,7 +35,7 @@ async def test_given_ports_that_disagree_are_errors_naming_both_and_the_reported
     prefill, decode = await fake("prefill"), await fake("decode", kv_port=7123)
     client = await pd([prefill], [decode], kv_addrs=("decode-kv:9300",), kv_transfer_port=9400)
     assert backend(client, decode.url).kv_addr == "decode-kv:7123"
-    await client.complete("r1", "/v1/chat/completions", dict(CHAT))
+    await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
     assert prefill.seen[0]["kv_transfer_params"]["decode_kv_addr"] == "decode-kv:7123"
     mismatches = logs.events(events.ROUTER_KV_PORT_MISMATCH)
     assert [(m["configured_port"], m["configured_by"]) for m in mismatches] == [
@@ -49,7 +49,7 @@ async def test_given_ports_that_disagree_are_errors_naming_both_and_the_reported
 async def test_a_given_port_that_agrees_is_silent(fake, pd, logs):
     """KV_TRANSFER_PORT equal to the reported port: no error."""
     client = await pd([await fake("prefill")], [await fake("decode", kv_port=7123)], kv_transfer_port=7123)
-    assert client.scheduler.pool("decode")[0].kv_addr == "127.0.0.1:7123"
+    assert client.fleet.scheduler.pool("decode")[0].kv_addr == "127.0.0.1:7123"
     assert logs.events(events.ROUTER_KV_PORT_MISMATCH) == []
 
 
@@ -75,14 +75,14 @@ async def test_a_decode_that_reports_no_kv_port_gets_nothing_until_it_does(fake,
     client = await pd([prefill], [decode], health_interval_ms=50)
     assert not backend(client, decode.url).up
     with pytest.raises(Overloaded, match="no decode backend is available"):
-        await client.complete("r1", "/v1/chat/completions", dict(CHAT))
+        await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
     assert prefill.seen == [] and decode.seen == []
     [down] = logs.events(events.BACKEND_HEALTH)
     assert down["state"] == "down" and down["reason"] == (
         f"KV address unknown: GET {decode.url}/health reports no kv_port (is the decode engine running with kv_role kv_consumer?)")
     decode.kv_port = 7124
     await wait_for_state(client, decode.url, "up")
-    await client.complete("r2", "/v1/chat/completions", dict(CHAT))
+    await client.complete("r2", "/v1/chat/completions", *typed(dict(CHAT)))
     assert prefill.seen[0]["kv_transfer_params"]["decode_kv_addr"] == "127.0.0.1:7124"
 
 
@@ -95,7 +95,7 @@ async def test_a_decode_coming_back_is_asked_again(fake, pd, logs):
     decode.kv_port = 7200  # a restarted engine, KV_TRANSFER_PORT changed
     await decode.set_health(True)
     await wait_for_state(client, decode.url, "up")
-    await client.complete("r1", "/v1/chat/completions", dict(CHAT))
+    await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
     assert prefill.seen[0]["kv_transfer_params"]["decode_kv_addr"] == "127.0.0.1:7200"
     assert [e["kv_addr"] for e in logs.events(events.BACKEND_KV_ADDR)] == ["127.0.0.1:7123", "127.0.0.1:7200"]
 
@@ -104,5 +104,5 @@ async def test_without_health_checks_the_address_is_learned_once_at_start(fake, 
     """health_interval_ms = 0 (breakers only): the KV address is still asked for, once, before the first request."""
     prefill, decode = await fake("prefill"), await fake("decode", kv_port=7123)
     client = await pd([prefill], [decode], health_interval_ms=0)
-    await client.complete("r1", "/v1/chat/completions", dict(CHAT))
+    await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
     assert prefill.seen[0]["kv_transfer_params"]["decode_kv_addr"] == "127.0.0.1:7123"

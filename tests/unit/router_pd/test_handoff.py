@@ -12,6 +12,7 @@ from stack.common.errors import UpstreamError
 from stack.router.backends import Backend, Breaker
 from stack.router.handoff import Colocated, P2pNccl
 from tests.unit.router_pd.fake_engine import VLLM_NIXL_PREFILL_PARAMS, chunk_text
+from tests.unit.router_pd.conftest import typed
 from tests.unit.router_pd.test_p2pnccl import VLLM_CONSUMER_RE, VLLM_PRODUCER_RE
 
 # A client body with what prefill must not see (min_tokens, stream_options) and what no client may send (kv_transfer_params).
@@ -24,7 +25,7 @@ TOY_PROXY_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remot
 
 
 async def collect(client, request_id="r1", body=CHAT):
-    return [chunk async for batch in client.stream(request_id, "/v1/chat/completions", {**body, "stream": True}) for chunk in batch]
+    return [chunk async for batch in client.stream(request_id, "/v1/chat/completions", *typed({**body, "stream": True})) for chunk in batch]
 
 
 def assert_prefill_leg(leg: dict) -> None:
@@ -45,7 +46,7 @@ async def test_push_prefill_is_told_where_to_push_and_decode_gets_its_answer(fak
     what prefill answered, both under the client's request id; a client's own kv_transfer_params never get through."""
     prefill, decode = await fake("prefill"), await fake("decode", kv_port=7123)
     client = await pd([prefill], [decode])
-    assert client.handoff.kind == "pd-push"
+    assert client.fleet.handoff.kind == "pd-push"
     assert chunk_text(await collect(client)) == "t0 t1 t2 t3 "
     [p_leg], [d_leg], [answer] = prefill.seen, decode.seen, prefill.prefill_answers
     params = p_leg["kv_transfer_params"]
@@ -65,9 +66,9 @@ async def test_nixl_prefill_gets_the_toy_proxy_params_and_decode_gets_its_answer
     ones included, reach decode unchanged, streamed and not; decode's KV address is never asked for."""
     prefill, decode = await fake("prefill", nixl=True), await fake("decode", kv_port=None)  # vLLM's /health names no port
     client = await pd([prefill], [decode], kv_connector="nixl")
-    assert client.handoff.kind == "nixl"
+    assert client.fleet.handoff.kind == "nixl"
     await collect(client)
-    answer = await client.complete("r2", "/v1/chat/completions", dict(CHAT))
+    answer = await client.complete("r2", "/v1/chat/completions", *typed(dict(CHAT, stream=True)))
     assert "kv_transfer_params" not in answer  # clients never learn PD exists
     for p_leg in prefill.seen:
         assert p_leg["kv_transfer_params"] == TOY_PROXY_PARAMS
@@ -87,9 +88,9 @@ async def test_colocated_sends_one_ordinary_request(fake, pd, logs):
     id; whatever kv_connector says."""
     both = await fake("both")
     client = await pd([both], [both], kv_connector="nixl")
-    assert client.handoff.kind == "colocated" and client.mode == "colocated"
+    assert client.fleet.handoff.kind == "colocated" and client.fleet.mode == "colocated"
     assert chunk_text(await collect(client)) == "t0 t1 t2 t3 "
-    assert (await client.complete("r2", "/v1/chat/completions", dict(CHAT)))["choices"][0]["message"]["content"] == "xxxx"
+    assert (await client.complete("r2", "/v1/chat/completions", *typed(dict(CHAT, stream=True))))["choices"][0]["message"]["content"] == "xxxx"
     assert len(both.seen) == 2 and all("kv_transfer_params" not in leg for leg in both.seen)
     assert_decode_leg(both.seen[0])
     assert [leg["headers"]["X-Request-ID"] for leg in both.seen] == ["r1", "r2"]
@@ -121,8 +122,8 @@ async def test_prefill_answering_without_kv_transfer_params_is_a_clean_502(fake,
     prefill, decode = await fake("prefill", nixl=kind == "nixl", kv_producer=False), await fake("decode")
     client = await pd([prefill], [decode], kv_connector=kind)
     with pytest.raises(UpstreamError, match=r"returned no kv_transfer_params \(is it running as a KV producer\?\)") as caught:
-        await client.complete("r3", "/v1/chat/completions", dict(CHAT))
+        await client.complete("r3", "/v1/chat/completions", *typed(dict(CHAT, stream=True)))
     assert caught.value.status == 502 and decode.seen == []
     [failed] = logs.events(events.ROUTER_PREFILL_FAILED)
     assert failed["level"] == "ERROR" and failed["retried"] is False and "no kv_transfer_params" in failed["error"]
-    assert all(b.in_flight == 0 for b in client.scheduler.backends)
+    assert all(b.in_flight == 0 for b in client.fleet.scheduler.backends)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from stack.common import events
-from tests.unit.router_pd.conftest import EngineProcess, wait_for_state
+from tests.unit.router_pd.conftest import EngineProcess, wait_for_state, typed
 
 CHAT = {"model": "your-model-id", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
 
@@ -29,12 +29,12 @@ async def test_prefills_of_another_version_are_never_paired_and_decode_serves_al
     assert fingerprints[old.url] == fingerprints[decode.url] != fingerprints[new.url]
     assert client.health_snapshot()["pools"]["prefill"]["models"] == {fingerprints[old.url]: 1, fingerprints[new.url]: 1}
     for i in range(4):
-        await client.complete(f"paired-{i}", "/v1/chat/completions", dict(CHAT))
+        await client.complete(f"paired-{i}", "/v1/chat/completions", *typed(dict(CHAT)))
     assert len(old.events(events.ENGINE_REQUEST_RECEIVED)) == 4 and new.events(events.ENGINE_REQUEST_RECEIVED) == []
 
     old.stop()
     await wait_for_state(client, old.url, "down")
-    answer = await client.complete("split", "/v1/chat/completions", dict(CHAT))
+    answer = await client.complete("split", "/v1/chat/completions", *typed(dict(CHAT)))
     assert answer["choices"][0]["finish_reason"] in ("length", "stop")
     [split] = logs.events(events.ROUTER_VERSION_SPLIT)
     assert (split["decode"], split["fingerprint"], split["request_id"]) == (decode.url, fingerprints[decode.url], "split")

@@ -25,9 +25,10 @@ from stack.router import config as router_config
 from stack.router.backends import PoolConfig
 from stack.router.config import RouterConfig
 from stack.router.metrics import Metrics
+from stack.router.fleet import Fleet
 from stack.router.pd import PDClient
 from stack.router.scheduler import NoBackendAvailable, SchedulerConfig
-from tests.unit.router_pd.conftest import EngineProcess, backend, free_port, wait_for_state
+from tests.unit.router_pd.conftest import EngineProcess, backend, free_port, wait_for_state, typed
 
 CHAT = {"model": "your-model-id", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
 
@@ -72,17 +73,18 @@ def discover_pool(name: str, ports: tuple[int, int]) -> PoolConfig:
 async def start_client(session: aiohttp.ClientSession, prefill: PoolConfig, decode: PoolConfig,
                        resolver: AbstractResolver | None) -> PDClient:
     config = RouterConfig(prefill=prefill, decode=decode, scheduler=SchedulerConfig(health_interval_ms=200))
-    client = PDClient(config, session, Metrics(), resolver=resolver)
-    await client.start()
+    metrics = Metrics()
+    client = PDClient(Fleet(config, session, metrics, resolver=resolver), metrics)
+    await client.fleet.start()
     return client
 
 
 def watcher(client: PDClient, role: str) -> Any:
-    return next(w for w in client.watchers if w.role == role)
+    return next(w for w in client.fleet.watchers if w.role == role)
 
 
 async def complete(client: PDClient, request_id: str) -> dict[str, Any]:
-    return await client.complete(request_id, "/v1/chat/completions", dict(CHAT))
+    return await client.complete(request_id, "/v1/chat/completions", *typed(dict(CHAT)))
 
 
 async def test_replicas_join_once_healthy_and_leave_while_their_requests_finish(session, replicas, logs, monkeypatch):
@@ -101,7 +103,7 @@ async def test_replicas_join_once_healthy_and_leave_while_their_requests_finish(
     answers.records = {"prefill.test": ["127.0.0.2"], "decode.test": ["127.0.0.2"]}
     client = await start_client(session, discover_pool("prefill.test", p_ports), discover_pool("decode.test", d_ports), answers)
     try:
-        assert [b.url for b in client.scheduler.pool("prefill")] == [p1.url]
+        assert [b.url for b in client.fleet.scheduler.pool("prefill")] == [p1.url]
         assert backend(client, d1.url).kv_addr == f"127.0.0.1:{d1.kv_port}"
         pools = client.health_snapshot()["pools"]
         assert {role: (p["source"], p["backends"], p["up"]) for role, p in pools.items()} == {
@@ -122,11 +124,11 @@ async def test_replicas_join_once_healthy_and_leave_while_their_requests_finish(
         assert (joined["role"], joined["replicas"], joined["discover"]) == ("prefill", 2, f"dns://prefill.test:{p_ports[0]}")
 
         body = {**CHAT, "max_tokens": 64, "ignore_eos": True, "stream": True}
-        async with aclosing(client.stream("draining", "/v1/chat/completions", body)) as batches:
+        async with aclosing(client.stream("draining", "/v1/chat/completions", *typed(body))) as batches:
             chunks = list(await anext(batches))
             answers.records["decode.test"] = ["127.0.0.3"]  # d1 is scaled away while its stream runs
             await watcher(client, "decode").refresh()
-            assert [b.url for b in client.scheduler.pool("decode")] == [d2.url]
+            assert [b.url for b in client.fleet.scheduler.pool("decode")] == [d2.url]
             [left] = logs.events(events.DISCOVERY_LEFT)
             assert (left["backend"], left["in_flight_requests"], left["level"]) == (d1.url, 1, "INFO")
             async for batch in batches:
@@ -140,7 +142,7 @@ async def test_replicas_join_once_healthy_and_leave_while_their_requests_finish(
         await complete(client, "after")
         assert len(d2.events(events.ENGINE_REQUEST_RECEIVED)) == before + 1
     finally:
-        await client.close()
+        await client.fleet.close()
 
 
 async def test_the_real_resolver_finds_replicas_and_an_unknown_name_is_an_empty_pool(session, replicas, monkeypatch):
@@ -155,21 +157,21 @@ async def test_the_real_resolver_finds_replicas_and_an_unknown_name_is_an_empty_
         await engine.ready()
     client = await start_client(session, discover_pool("localhost", p_ports), discover_pool("localhost", d_ports), None)
     try:
-        assert [b.url for b in client.scheduler.backends] == [decode.url, prefill.url]
+        assert [b.url for b in client.fleet.scheduler.backends] == [decode.url, prefill.url]
         answer = await complete(client, "real-dns")
         assert answer["choices"][0]["finish_reason"] in ("length", "stop")
     finally:
-        await client.close()
+        await client.fleet.close()
     client = await start_client(session, discover_pool("localhost", p_ports), discover_pool("no-such-replica.invalid", d_ports), None)
     try:
-        assert client.scheduler.pool("decode") == ()
+        assert client.fleet.scheduler.pool("decode") == ()
         body, _ = client.metrics.render()  # the pool's series stays when its replicas are gone (PDPoolEmpty reads it)
         assert 'pd_router_pool_up{role="decode"} 0' in body and 'pd_router_pool_backends{role="decode"} 0' in body
         with pytest.raises(NoBackendAvailable) as raised:
             await complete(client, "nobody")
         assert raised.value.code == "no_decode_backend" and raised.value.headers["Retry-After"]
     finally:
-        await client.close()
+        await client.fleet.close()
 
 
 async def test_a_failed_lookup_keeps_the_pool_and_warns_once(fake, session, logs):
@@ -186,12 +188,12 @@ async def test_a_failed_lookup_keeps_the_pool_and_warns_once(fake, session, logs
         answers.records["decode.test"] = socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
         for _ in range(2):
             await watcher(client, "decode").refresh()
-        assert [b.url for b in client.scheduler.pool("decode")] == [decode.url]
+        assert [b.url for b in client.fleet.scheduler.pool("decode")] == [decode.url]
         [failed] = logs.events(events.DISCOVERY_FAILED)
         assert failed["role"] == "decode" and "Temporary failure" in failed["error"] and failed["level"] == "WARNING"
         await complete(client, "still-served")
     finally:
-        await client.close()
+        await client.fleet.close()
 
 
 @pytest.mark.parametrize(("text", "key", "problem"), [
@@ -241,12 +243,13 @@ async def test_a_discovered_decode_is_checked_against_kv_transfer_port(fake, ses
                       discover_health_port=int(decode.health_addr.rsplit(":", 1)[1]), discover_interval_ms=60_000)
     config = RouterConfig(prefill=PoolConfig(endpoint=prefill.url, health_addrs=(prefill.health_addr,)), decode=pool,
                           scheduler=SchedulerConfig(health_interval_ms=200), kv_transfer_port=9400)
-    client = PDClient(config, session, Metrics(), resolver=answers)
-    await client.start()
+    metrics = Metrics()
+    client = PDClient(Fleet(config, session, metrics, resolver=answers), metrics)
+    await client.fleet.start()
     try:
         await wait_for_state(client, decode.url, "up")
         assert backend(client, decode.url).kv_addr == "127.0.0.1:7123"  # the fake reports no kv_host: its address
         [mismatch] = logs.events(events.ROUTER_KV_PORT_MISMATCH)
         assert (mismatch["configured_port"], mismatch["configured_by"], mismatch["reported_port"]) == (9400, "KV_TRANSFER_PORT", 7123)
     finally:
-        await client.close()
+        await client.fleet.close()

@@ -1,0 +1,140 @@
+"""Our router next to the routers a user would pick instead (smg, vllm-router, sglang-router, LiteLLM), in one run.
+
+    cd <repo> && WORK/venv-harness/bin/python -m benchmarks.router_peers --peers PEERS -- \
+        --work WORK --pd-python .venv/bin/python --targets direct pd-deploy pd-deploy-asyncio pd-deploy-stdjson \
+        pd-deploy-redis smg vllm-router vllm-router-rr sglang-router --repeats 2 --out WORK/A.json
+
+PEERS is the peers harness (its README: `setup.sh WORK` makes one venv per peer, each `pip install`ed from
+PyPI, outside this project's venv; `bench.py` starts a fake backend and each router pinned to one core,
+and reads the router's CPU from /proc). Everything after `--` goes to its bench.py unchanged. This script
+adds arms of our own router to the harness's targets, so a choice that only exists to be measured is made
+here, by how the process is started, never by a switch in the product:
+
+  pd-deploy          the router as shipped (uvloop, orjson)
+  pd-deploy-asyncio  the same with the stock asyncio event loop (uvloop's loop factory swapped before start)
+  pd-deploy-stdjson  the same with the stdlib JSON encoder for SSE frames (stack.common.fastjson)
+  pd-deploy-redis    per-key limits in a Redis (a redis-server this script starts on the client core, with the
+                     deployments' append-only persistence): the limiter's cost is this row minus pd-deploy's
+
+Each row: CPU µs per request (plain / PD), µs per relayed stream chunk, added latency; `report.py A.json`
+prints the table (docs/router-performance.md). Tiny check that everything starts and answers:
+`-- --work WORK --pd-python .venv/bin/python --targets direct pd-deploy pd-deploy-redis --repeats 1
+--requests 50 --seq-requests 20 --streams 8 --ttft-streams 2 --chunks 8 --max-s 5`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+
+_REPO = Path(__file__).resolve().parents[1]
+_MAIN = "import sys\nfrom stack.router.__main__ import main\nsys.exit(main(sys.argv[1:]))\n"
+# The arms' code runs in the router process before its main(): `python -c CODE --config settings.toml`.
+_ARMS = {
+    "asyncio": "import asyncio, uvloop\nuvloop.new_event_loop = asyncio.new_event_loop\n" + _MAIN,
+    "stdjson": ("import json\nfrom stack.common import fastjson\n"
+                "encoder = json.JSONEncoder(default=str, ensure_ascii=False, separators=(',', ':'))\n"
+                "fastjson.dumps = lambda value: encoder.encode(value).encode()\n" + _MAIN),
+    "redis": _MAIN,
+}
+
+
+def _load_harness(peers: Path) -> ModuleType:
+    sys.path.insert(0, str(peers))  # bench.py imports its siblings (loadgen, report) by name
+    return importlib.import_module("bench")
+
+
+def _with_arms(bench: ModuleType, redis_url: str | None) -> type:
+    """The harness's Target, knowing our arms too."""
+
+    harness = bench.Target
+
+    class Target(harness):
+        def modes(self) -> list[str]:
+            return ["plain", "pd"] if self.name.startswith("pd-deploy-") else super().modes()
+
+        def command(self, mode: str, port: int, rundir: Path) -> tuple[list[str], dict, str, str | None]:
+            if not self.name.startswith("pd-deploy"):
+                return super().command(mode, port, rundir)
+            shipped = harness("pd-deploy", self.work, self.pd_python, self.prefill, self.decode)
+            argv, env, ready, skip = shipped.command(mode, port, rundir)
+            env["PYTHONPATH"] = str(_REPO)  # this checkout's router, whichever checkout --pd-python was installed from
+            if self.name == "pd-deploy":
+                return argv, env, ready, skip
+            arm = self.name.removeprefix("pd-deploy-")
+            if arm not in _ARMS:
+                return [], env, "", f"unknown arm {arm!r} (known: {', '.join(_ARMS)})"
+            if arm == "redis":
+                if redis_url is None:
+                    return [], env, "", "redis-server not found (scripts/redis-server.sh installs it)"
+                env["LIMITS_REDIS_URL"] = redis_url
+            return [self.pd_python, "-c", _ARMS[arm], *argv[argv.index("--config"):]], env, ready, skip
+
+    return Target
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_redis(folder: Path, core: int) -> tuple[subprocess.Popen[bytes], str]:
+    """A redis-server on a free loopback port, persisted as the deployments run it; returns once it answers PING."""
+    port = _free_port()
+    taskset = shutil.which("taskset")
+    argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder), "--appendonly", "yes",
+            "--appendfsync", "everysec", "--save", "", "--protected-mode", "no"]
+    process = subprocess.Popen(([taskset, "-c", str(core)] if taskset else []) + argv, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    return process, f"redis://127.0.0.1:{port}/0"
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise SystemExit("redis-server did not answer PING within 20 s")
+        time.sleep(0.05)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__)
+    parser.add_argument("--peers", required=True, type=Path, help="the peers harness folder (bench.py, setup.sh)")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then bench.py's own arguments")
+    args = parser.parse_args()
+    forwarded = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
+    bench = _load_harness(args.peers.resolve())
+    wants_redis = any(arg == "pd-deploy-redis" for arg in forwarded)
+    client_core = int(forwarded[forwarded.index("--client-core") + 1]) if "--client-core" in forwarded else 0
+    redis, redis_url = None, None
+    with tempfile.TemporaryDirectory(prefix="router-peers-redis-") as folder:
+        try:
+            if wants_redis and shutil.which("redis-server"):
+                redis, redis_url = _start_redis(Path(folder), client_core)
+            bench.Target = _with_arms(bench, redis_url)
+            sys.argv = [str(args.peers / "bench.py"), *forwarded]
+            return bench.main()
+        finally:
+            if redis is not None:
+                redis.terminate()
+                redis.wait(timeout=10)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
