@@ -24,11 +24,14 @@ Pure functions over parsed scrapes (`window`, `advise`, `findings`); the CLI onl
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from doctor import live
+from doctor.errors import DoctorError
 from doctor.findings import Finding
 
 DOMINANCE = 1.5  # one side's pressure must be this many times the other's to name it
@@ -172,3 +175,18 @@ def findings(advice: Advice, w: Window, ttft_slo_s: float | None = None, tpot_sl
 def text(found: Finding) -> str:
     """The advice for a terminal: verdict, the numbers behind it, and what to run."""
     return f"{found.title}\n  numbers: {found.cause}\n  {'run' if found.severity != 'ok' else 'so'}: {found.fix}\n"
+
+
+def scrape_metrics(url: str, seconds: float, interval: float) -> list:
+    """The router's /metrics every `interval` s for `seconds` (at least two scrapes), parsed for doctor.advise."""
+    scrapes = []
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            with live.request(f"{url}/metrics", None) as response:
+                scrapes.append(Scrape.parse(response.read().decode(), time.monotonic()))
+        except (OSError, ValueError) as exc:
+            raise DoctorError(f"cannot read {url}/metrics: {exc} (is the router up? --router-url)") from None
+        if len(scrapes) >= 2 and time.monotonic() >= deadline:
+            return scrapes
+        time.sleep(max(0.0, min(interval, deadline - time.monotonic())))

@@ -4,7 +4,8 @@ diagnose: read logs (compose project via the Docker API, or --logs files/folders
           by request id, run every diagnosis, print findings.
 explain:  one request's timeline across the services with per-hop durations, as text and a PNG/SVG.
 check:    live probes of the running stack (docker, compose, containers, key, router, proxies,
-          engine health, KV port, one streamed request).
+          engine health, KV port, one streamed request); with --prefill-url/--decode-url, of engines
+          run as processes or elsewhere, over HTTP (doctor/remote.py).
 verify:   send one streamed request through the router and prove from the logs that it went
           prefill → KV → decode.
 advise:   watch the router's /metrics under load and recommend more prefill, more decode or balanced,
@@ -76,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     verify = sub.add_parser("verify", parents=[common], epilog=EPILOG,
                             help="send one streamed request and prove it went prefill → KV → decode")
     verify.add_argument("--timeout", type=float, default=60.0, help="seconds for the request")
+    verify.add_argument("--logs", action="append", default=[], metavar="PATH",
+                        help="the router's and engines' log files or folder (a deployment without compose)")
+    for live_command in (check, verify):  # engines run as processes or on other hosts: no compose project needed
+        for role in ("prefill", "decode"):
+            live_command.add_argument(f"--{role}-url", action="append", default=[], metavar="URL",
+                                      help=f"a {role} engine's base URL (repeatable); probes it over HTTP, no Docker")
     verify.add_argument("--model", default=None, help="model name to request (default: the router's first model)")
     advise = sub.add_parser("advise", parents=[common], epilog=EPILOG,
                             help="more prefill, more decode or balanced, from the router's metrics under the current load")
@@ -150,9 +157,10 @@ def main(argv: Sequence[str] | None = None, stdin: TextIO | None = None, stdout:
         if args.command == "diagnose":
             findings, summary = diagnose(args, stdin)
         else:
-            from doctor import live
+            from doctor import live, remote
 
-            findings, summary = (live.check if args.command == "check" else live.verify)(args)
+            where = remote if remote.wanted(args) else live
+            findings, summary = (where.check if args.command == "check" else where.verify)(args)
     except DoctorError as exc:
         render.render_failure(str(exc), args.json, out)
         return 2
@@ -201,7 +209,7 @@ def _advise(args: argparse.Namespace, out: TextIO) -> int:
     try:
         if args.window <= 0 or args.interval <= 0:
             raise DoctorError(f"--window and --interval must be > 0 s, got {args.window:g} and {args.interval:g}")
-        seen = advise.window(live.scrape_metrics(url, args.window, args.interval))
+        seen = advise.window(advise.scrape_metrics(url, args.window, args.interval))
     except DoctorError as exc:
         render.render_failure(str(exc), args.json, out)
         return 2

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Iterable
 
-from doctor import stackfacts
+from doctor import engine_lines, stackfacts
 from doctor.environment import Environment
 from doctor.parse import CLIENT, ParseStats, Record
 from doctor.timeline import Timeline, build_timelines
@@ -99,6 +99,8 @@ class Context:
     @classmethod
     def build(cls, records: list[Record], env: Environment, stats: ParseStats | None = None,
               docker: dict | None = None) -> Context:
+        engine_lines.fix_years(records)
+        engine_lines.join_requests(records)
         service_records = [r for r in records if r.service != CLIENT]
         timelines, background = build_timelines(service_records)
         client = [r for r in records if r.service == CLIENT]

@@ -186,7 +186,8 @@ def router_url(stack: Stack | None, given: str | None) -> str:
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def _request(url: str, key: str | None, body: dict | None = None, rid: str | None = None, timeout: float = 10.0):
+def request(url: str, key: str | None, body: dict | None = None, rid: str | None = None, timeout: float = 10.0):
+    """One HTTP request from this host, past any proxy variable (the doctor probes the stack itself)."""
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
@@ -199,7 +200,7 @@ def _request(url: str, key: str | None, body: dict | None = None, rid: str | Non
 def probe_router(url: str) -> tuple[list[Finding], str | None]:
     """GET /v1/models from the host (bypassing proxy variables) → findings and the first model id."""
     try:
-        with _request(f"{url}/v1/models", read_key()) as response:
+        with request(f"{url}/v1/models", read_key()) as response:
             models = json.loads(response.read()).get("data") or []
     except urllib.error.HTTPError as exc:
         return [problem("router.reachable", "error", f"router at {url} answered {exc.code}",
@@ -216,7 +217,7 @@ def probe_router(url: str) -> tuple[list[Finding], str | None]:
 def probe_pools(url: str) -> list[Finding]:
     """The router's pools from its GET /health (open, no key): how many replicas each role has and how many are up."""
     try:
-        with _request(f"{url}/health", None) as response:
+        with request(f"{url}/health", None) as response:
             pools = json.loads(response.read()).get("pools") or {}
     except (urllib.error.URLError, OSError, ValueError):
         return []  # router.reachable already says why
@@ -314,7 +315,7 @@ def send_stream(url: str, model: str, rid: str, timeout: float) -> tuple[bool, s
             "messages": [{"role": "user", "content": "用一句话解释什么是KV Cache"}]}
     chunks = 0
     try:
-        with _request(f"{url}/v1/chat/completions", read_key(), body, rid, timeout) as response:
+        with request(f"{url}/v1/chat/completions", read_key(), body, rid, timeout) as response:
             for raw in response:
                 line = raw.decode("utf-8", "replace").strip()
                 if line == "data: [DONE]":
@@ -406,20 +407,3 @@ def _verify_vllm(stack: Stack, env, sent_at: datetime, rid: str, what: str, time
                     "(a 200 proves nothing about KV).",
                     "docker compose logs decode | grep -E 'KV Transfer metrics|KVConnector|NIXL'; start vLLM with "
                     "--kv-transfer-config on both engines")] + failures
-
-
-def scrape_metrics(url: str, seconds: float, interval: float) -> list:
-    """The router's /metrics every `interval` s for `seconds` (at least two scrapes), parsed for doctor.advise."""
-    from doctor.advise import Scrape
-
-    scrapes = []
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            with _NO_PROXY.open(f"{url}/metrics", timeout=10) as response:
-                scrapes.append(Scrape.parse(response.read().decode(), time.monotonic()))
-        except (OSError, ValueError) as exc:
-            raise DoctorError(f"cannot read {url}/metrics: {exc} (is the router up? --router-url)") from None
-        if len(scrapes) >= 2 and time.monotonic() >= deadline:
-            return scrapes
-        time.sleep(max(0.0, min(interval, deadline - time.monotonic())))

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from doctor import signatures
+from doctor import engine_lines, signatures
 from stack.common import events
 
 SERVICES = ("router", "prefill", "decode", "engine")
@@ -112,6 +112,7 @@ class ParseStats:
     unreadable: int = 0
     ignored: int = 0  # readable but not ours (a service's plain traceback line, client output around an error)
     undeclared: int = 0  # read, but its event or fields differ from stack/common/events.py
+    compose: int = 0  # lines with a `docker compose logs` prefix: the stack runs under compose
     unreadable_examples: list[str] = field(default_factory=list)
     undeclared_examples: list[str] = field(default_factory=list)
 
@@ -121,6 +122,7 @@ class ParseStats:
         self.unreadable += other.unreadable
         self.ignored += other.ignored
         self.undeclared += other.undeclared
+        self.compose += other.compose
         self.unreadable_examples.extend(other.unreadable_examples[: 3 - len(self.unreadable_examples)])
         self.undeclared_examples.extend(other.undeclared_examples[: 3 - len(self.undeclared_examples)])
 
@@ -179,6 +181,7 @@ def parse_lines(
                     prefixed = prefixes[head] = service_from_name(name) if _NAME.fullmatch(name) else None
                 if prefixed is not None:
                     service = prefixed
+                    stats.compose += 1
                     text = text[bar + 2:] if text[bar + 1:bar + 2] == " " else text[bar + 1:]
             if text[:1].isdigit():
                 stamp = _DOCKER_TS.match(text)
@@ -211,6 +214,11 @@ def parse_lines(
         where = f"{origin}:{lineno}"
         if not client_source and (sig := signatures.match(text)) is not None:
             append(_signature_record(sig, service if service in SERVICES else "engine", "", "-", text, where))
+            continue
+        if service in SERVICES and (fact := engine_lines.parse(text, service)) is not None:
+            ts, event, level, data = fact
+            text = engine_lines.redact(text)
+            append(Record(service, ts, event, "-", level, text[:300], data, text, where, hop_rank(service, 4)))
             continue
         record = _client_record(text, where) if (client_source or service in (None, CLIENT)) else None
         if record is not None:

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from doctor.checks import (auth_401, backends, bypass, choices_parse, client_view, config_mismatch, healthy, kv_transfer,
-                           local_proxy, model_name, nixl_transport, oauth, p2pnccl, stalled, unexplained, upstream)
+from doctor.checks import (auth_401, backends, bypass, choices_parse, client_view, config_mismatch, engine_config, healthy,
+                           internal_key, kv_transfer, lifecycle, local_proxy, model_name, nixl_transport, oauth, p2pnccl,
+                           slowness, stalled, unexplained, upstream)
 from doctor.findings import Context, Finding
 
 
@@ -24,6 +25,12 @@ class Check:
 REGISTRY: tuple[Check, ...] = (
     Check("client_view", "requests that never left the client; ANTHROPIC_* credential conflicts", client_view.check),
     Check("model", "404 model_not_found (Claude Code's claude-* names)", model_name.check),
+    Check("internal_key", "engines that refuse the router's PD_INTERNAL_KEY (401/403 → 502 internal_key_rejected)",
+          internal_key.check),
+    Check("engine_config", "prefill/decode start-up configurations that differ (model, tokenizer, max length, block "
+          "size, dtype), read from the engines' own lines", engine_config.check),
+    Check("lifecycle", "engine cores that died (vLLM EngineCore / EngineDeadError), restarts, when an engine was down",
+          lifecycle.check),
     Check("backends", "a prefill/decode backend that is gone (503 no_*_backend, OOM-killed container)", backends.check),
     Check("bypass", "clients that talk to an engine directly, not through the router", bypass.check),
     Check("config", "prefill/decode config mismatches (max_model_len, block_size, …): key, values, files",
@@ -39,7 +46,12 @@ REGISTRY: tuple[Check, ...] = (
           nixl_transport.check),
     Check("p2pnccl", "vLLM P2pNccl engines not registered with the router, dropped, or pinging another format",
           p2pnccl.check),
+    Check("slowness", "P99 TTFT / TPOT over the SLO, with the queueing and KV waits the engines reported",
+          slowness.check),
 )
+# Findings that name a symptom, not a cause: for requests a specific finding explains, they step back.
+GENERIC = frozenset({"choices.decode_failed", "choices.stream_without_done", "backend.decode_down",
+                     "backend.prefill_down", "auth.not_from_router"})
 STALLED = "stalled"  # the id `--check` selects the stalled-request diagnosis by
 UNEXPLAINED = "unexplained"  # failed requests no diagnosis explained
 
@@ -51,6 +63,7 @@ def run_checks(ctx: Context, only: Iterable[str] = ()) -> list[Finding]:
     for check in REGISTRY:
         if not wanted or check.id in wanted:
             results.extend(check.run(ctx))
+    results = _specific_first(ctx, results)
     if not wanted or STALLED in wanted:
         explained = {rid for f in results for rid in f.request_ids}
         results.extend(stalled.check(ctx, explained))
@@ -60,3 +73,14 @@ def run_checks(ctx: Context, only: Iterable[str] = ()) -> list[Finding]:
     if not any(f.severity != "ok" for f in results):
         results.extend(healthy.check(ctx))
     return results
+
+
+def _specific_first(ctx: Context, results: list[Finding]) -> list[Finding]:
+    """Specific causes first; a generic finding only for requests none of them explains (dropped when none is left).
+    A request counts by the router's id or its client's X-Request-ID (findings name either)."""
+    specific = [f for f in results if f.id not in GENERIC]
+    explained = {rid for f in specific if f.severity != "ok" for rid in f.request_ids}
+    explained |= {r.data["client_request_id"] for rid in list(explained) if rid in ctx.timelines
+                  for r in ctx.timelines[rid].records if isinstance(r.data.get("client_request_id"), str)}
+    generic = [f for f in results if f.id in GENERIC and not (f.request_ids and set(f.request_ids) <= explained)]
+    return specific + generic

@@ -125,7 +125,8 @@ def _with_client_lines(ctx: Context, group: list, kind: str) -> list:
 
 def _client_401_elsewhere(ctx: Context) -> list[Finding]:
     """A client got 401 but the router rejected nothing: the request went somewhere else."""
-    client = ctx.client_kinds("auth_401")
+    # a 502 naming the engine's 401 (internal_key_rejected) is not a 401 the client got
+    client = [r for r in ctx.client_kinds("auth_401") if r.data.get("status") in (None, 401)]
     router_lines = [r for r in ctx.records if r.service == "router"]
     if not client or not router_lines or ctx.by_event(events.AUTH_REJECTED, events.AUTH_KEY_MISSING):
         return []

@@ -8,6 +8,7 @@ The vLLM P2pNccl registry mode has its own diagnosis (p2pnccl).
 
 from __future__ import annotations
 
+from doctor import engine_facts
 from doctor.findings import Context, Finding, finding
 from stack.common import events
 
@@ -38,16 +39,29 @@ def check(ctx: Context) -> list[Finding]:
                 container += f" (exit code {exit_info['exit_code']})"
             container += "."
         reasons = sorted({r[events.REASON] or "?" for r in down})
+        # Back up after the last refusal: it was down, it is not now (the router's own health line says so).
+        back = [r for r in ctx.by_event(events.BACKEND_HEALTH) if r[events.ROLE] == role and r[events.STATE] == "up"
+                and r.ts > failed[-1].ts]
+        since = (down[0] if down else failed[0]).ts
+        headline = f"The {role} backend was down from {since} to {back[0].ts}" if back else f"No {role} backend is up"
         out.append(finding(
             f"backend.{role}_down", "error",
-            f"No {role} backend is up: {len(failed)} request(s) got 503 no_{role}_backend",
+            f"{headline}: {len(failed)} request(s) got 503 no_{role}_backend",
             f"The router has no healthy {role} engine to send requests to"
             + (f"; it marked it down ({', '.join(reasons)})" if down else "")
             + (f"; {len(left)} replica(s) left the pool (no longer found under {left[-1][events.DISCOVER]}, "
                f"{left[-1][events.REPLICAS]} left)" if left else "") + "." + container
             + (" Exit code 137 / OOM-killed means the kernel killed it for memory." if exit_info.get("oom") or
                exit_info.get("exit_code") == 137 else ""),
-            f"docker compose ps {role}; docker compose logs {role} --tail 50; then docker compose up -d {role} "
-            "(if it was OOM-killed: a smaller checkpoint or more memory for the container)",
-            failed[:3] + down[:2] + left[-2:] + last, [r.request_id for r in failed]))
+            (f"docker compose ps {role}; docker compose logs {role} --tail 50; then docker compose up -d {role} "
+             "(if it was OOM-killed: a smaller checkpoint or more memory for the container)") if engine_facts.compose(ctx)
+            else f"curl {', '.join(_urls(refused, role)) or f'<the {role} URL>'}/health; read the {role} engine's log "
+                 f"(its last lines say why it stopped); start it again",
+            failed[:3] + down[:2] + left[-2:] + back[:1] + last, [r.request_id for r in failed]))
     return out
+
+
+def _urls(refused: list, role: str) -> list[str]:
+    """The backends the router named as down in its 503s ("down: http://…")."""
+    return sorted({url.rstrip(")") for r in refused if r[events.CODE] == f"no_{role}_backend"
+                   for url in r.msg.split() if url.startswith("http")})

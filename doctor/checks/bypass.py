@@ -25,7 +25,10 @@ def _published(ctx: Context) -> dict[str, list[str]]:
 
 
 def _refused(ctx: Context) -> list[Finding]:
-    refused = [r for r in ctx.by_event(events.INTERNAL_AUTH_REJECTED) if r.service in ENGINES]
+    # refusals of the router's own legs (its PD_INTERNAL_KEY is not the engine's) are internal_key's finding
+    router_refused = {r[events.ROLE] for r in ctx.by_event(events.ROUTER_UPSTREAM_ERROR) if r[events.STATUS] in (401, 403)}
+    refused = [r for r in ctx.by_event(events.INTERNAL_AUTH_REJECTED)
+               if r.service in ENGINES and r.service not in router_refused]
     if not refused:
         return []
     peers = sorted({r[events.PEER] or "?" for r in refused})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from doctor import engine_facts
 from doctor.checks.config_mismatch import rejected_for_length
 from doctor.findings import Context, Finding, finding
 from stack.common import events
@@ -63,10 +64,14 @@ def _decode_failed_after_prefill(ctx: Context, client: list) -> list[Finding]:
         "Prefill computed the KV and answered, then the decode engine answered an error, so the router returned "
         f"an error body instead of a completion; a client that reads `choices` without checking the status "
         f"fails with KeyError: 'choices'. Decode said: {str(detail)[:200]}",
-        "docker compose logs decode --since 10m | grep -E '\"level\": \"(WARNING|ERROR|CRITICAL)\"'; fix the decode error "
-        "shown, then docker compose restart decode. Clients: check response.status / \"error\" before "
-        "reading choices.",
+        f"{engine_facts.logs_command(ctx, 'decode', _ERROR_LINES[engine_facts.kind_of(ctx, 'decode')])}; fix the "
+        f"decode error shown, then {'docker compose restart decode' if engine_facts.compose(ctx) else 'restart decode'}. "
+        "Clients: check response.status / \"error\" before reading choices.",
         evidence, [t.request_id for t, _, _ in hits])]
+
+
+# How each engine kind marks its error lines: vLLM prints plain text, ours JSON lines.
+_ERROR_LINES = {"vllm": "ERROR|Traceback|EngineCore", "pd-engine": '"level": "(WARNING|ERROR|CRITICAL)"'}
 
 
 def _stream_without_done(ctx: Context) -> list[Finding]:

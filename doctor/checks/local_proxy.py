@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit
 
+from doctor import engine_facts
 from doctor.checks.client_view import never_left
 from doctor.environment import NO_PROXY_VARS, PROXY_VARS, redact_url
 from doctor.findings import Context, Finding, finding
@@ -149,7 +150,9 @@ def _router_down(ctx: Context, client: list) -> list[Finding]:
         "The router logged nothing" + (" while the client failed to connect" if client else ""),
         "There is no router line in the logs" + (f" (only {', '.join(sorted(services))})" if services else "")
         + ": the router is not running, crashed at start, or its logs were not collected.",
-        "docker compose ps router; docker compose logs router; docker compose up -d router",
+        "docker compose ps router; docker compose logs router; docker compose up -d router" if engine_facts.compose(ctx)
+        else "give the router's log too (--logs router.log); if it is not running: python -m stack.router --config "
+             "<its settings.toml>",
         client[:3] + [r for r in ctx.background if r.event == events.SERVICE_STARTING][:2])]
 
 

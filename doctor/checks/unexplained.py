@@ -2,8 +2,10 @@
 
 Decided after every other diagnosis: any request with router lines that did not complete and whose id
 no finding carries is counted here, by the status the router answered, with its lines as evidence.
-A request the client itself abandoned (router.client_disconnected) is no failure; `healthy` counts it
-among those that did not complete.
+An error when any of them got a 5xx, a 4xx decode answered after prefill accepted the request (the stack's
+failure), or when no request in the window completed (a window where every request failed never exits 0);
+any other 4xx is a warning (the client's request, most likely). A request the client itself abandoned
+(router.client_disconnected) is no failure; `healthy` counts it among those that did not complete.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from collections import Counter
 
 from doctor.findings import Context, Finding, finding
 from stack.common import events
+
+
+_ENGINE_FAILED = (events.ROUTER_UPSTREAM_ERROR, events.ROUTER_DECODE_FAILED)
 
 
 def check(ctx: Context, explained: set[str]) -> list[Finding]:
@@ -26,9 +31,14 @@ def check(ctx: Context, explained: set[str]) -> list[Finding]:
     for t in failed[:4]:
         bad = [r for r in t.records if r.level in ("WARNING", "ERROR", "CRITICAL")]
         evidence += (bad or t.records)[:2] + t.events(events.ROUTER_REQUEST_DONE)[:1]
-    server_side = any((t.status or 500) >= 500 for t in failed)
+    # the stack's own failure: a 5xx, or a 4xx decode answered for a request prefill had accepted (prefill and decode
+    # disagree: not the client's request)
+    server_side = any((t.status or 500) >= 500 or (t.first(events.ROUTER_PREFILL_DONE) is not None
+                                                  and t.first(*_ENGINE_FAILED) is not None) for t in failed)
+    # a window where no request went through is never a pass, whatever the statuses
+    nothing_passed = not any(t.complete for t in ctx.timelines.values())
     return [finding(
-        "request.unexplained", "error" if server_side else "warning",
+        "request.unexplained", "error" if server_side or nothing_passed else "warning",
         f"{len(failed)} request(s) failed for a reason no diagnosis knows (status "
         + ", ".join(f"{s} ×{n}" for s, n in sorted(statuses.items())) + ")",
         "These requests did not complete, and none of the doctor's diagnoses recognised why; the evidence lines "

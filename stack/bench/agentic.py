@@ -51,6 +51,12 @@ class AgenticShape:
                 + [f"{flag(n)} must be >= 0" for n in ("tools", "think_mean_s", "stagger_s") if getattr(self, n) < 0])
 
 
+# Named shapes of real agents' requests. claude-code: Claude Code's own opening, ~27k characters of system prompt and
+# 14 tools (Bash, Read, Edit, Write, Glob, Grep, Task, …) on every request; in bytes (the numpy engine's tokens) that
+# is ~27k tokens, so the checkpoint needs a context of 32k (compare --max-model-len 32768).
+PROFILES = {"claude-code": {"system_len": 27000, "tools": 14}}
+
+
 @dataclass(frozen=True)
 class Turn:
     user: str  # what this turn appends before asking

@@ -1,13 +1,34 @@
-"""`python -m stack.bench compare`: colocated vs disaggregated on the same cores, same model, same load.
+"""`python -m stack.bench compare`: the arms a user would pick between on the same cores, swept past their knees,
+repeated, with the spread.
 
-For each stack in turn it starts the compose project (pinning engine containers to the CPU
-budget), waits until the router answers, warms up, runs the identical seeded workload through the
-router (once, or per `--sweep` rate), stops the project, and finally writes to `--out`:
-`compare.md` (table + conditions), `compare.png` (latency CDFs and P99), per-run result JSONs, and
-with `--sweep` also `sweep.md`/`sweep.png` (goodput vs rate, DistServe-style).
+For each repeat, in that repeat's arm order (alternated or seeded-random, recorded), it starts the arm's compose
+project, waits until the router answers a chat completion, warms up, then climbs the load ladder (`--sweep`: request
+rates, or agent sessions with the agentic workload) until `--past-knee` points after SLO attainment falls below
+`--knee-attainment`, and stops the project. Before every run the host's 1-minute load is checked (refused or flagged
+above the core count) and recorded with the load after. `--out` gets compare.md (per engine: max goodput at the
+SLOs and P99 TTFT / TPOT / ITL at a common load, median [min–max]; ratios to the best colocated arm, "no difference"
+where their range crosses 1.0×; the goals; doctor advise's verdict at each load next to the measured winner),
+load-<engine>.png (goodput and P99s against load per arm), compare.png (latency CDFs of the first repeat at the
+common load) and every run's JSON under runs/. Arms: see stack/bench/arms.py.
 
-`--url NAME=URL` benchmarks an already running stack instead of starting one (for a stack on
-another machine, or the engines started by hand on loopback).
+The full experiment, on a quiet machine (nothing else running; images built first: `./pd build` and
+scripts/vllm-cpu-image.sh), one command per engine and workload, each a few hours. Both engines serve the same
+tiny-llama checkpoint; each engine gets its own ladder because their knees are far apart:
+
+    NUMPY=colocated:cache,colocated-x2:cache,colocated-chunked:cache,disaggregated:cache,disaggregated:cache@0+1/1
+    VLLM=vllm:colocated,vllm:colocated-x2,vllm:disaggregated@1/0,vllm:disaggregated@0/1
+    CHAT="--dataset-name synthetic --synthetic-input-mean 800 --synthetic-output-mean 128 --num-prompts 60"
+    AGENT="--dataset-name agentic --agentic-profile claude-code --agentic-turns 4 --max-model-len 32768"
+    python -m stack.bench compare --checkpoint tiny-llama --repeats 3 --order random --stacks $NUMPY $CHAT \
+        --sweep 0.25,0.5,1,1.5,2,3,4,6 --goodput ttft:2000 tpot:100 --out results/numpy-chat
+    python -m stack.bench compare --checkpoint tiny-llama --repeats 3 --order random --stacks $VLLM $CHAT \
+        --sweep 1,2,4,8,12,16,24,32 --goodput ttft:2000 tpot:100 --out results/vllm-chat
+    python -m stack.bench compare --checkpoint tiny-llama --repeats 3 --order random --stacks $NUMPY $AGENT \
+        --sweep 1,2,4,6,8,12,16 --goodput ttft:10000 tpot:200 --out results/numpy-agentic
+    python -m stack.bench compare --checkpoint tiny-llama --repeats 3 --order random --stacks $VLLM $AGENT \
+        --sweep 2,4,8,12,16,24,32 --goodput ttft:10000 tpot:200 --out results/vllm-agentic
+
+`--url NAME=URL` benchmarks an already running stack instead of starting one.
 """
 
 from __future__ import annotations
@@ -16,305 +37,120 @@ import argparse
 import asyncio
 import copy
 import json
+import math
 import os
 import platform
 import secrets
-import shlex
-import socket
 import subprocess
 import sys
-import tempfile
-import time
-from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
-from stack.bench import report, serve
-
-REPO = Path(__file__).resolve().parents[2]
-# The arms, each its own best configuration on the same cores: one colocated engine on all of them, one colocated
-# replica per core behind the router (cache_aware keeps a session on one replica), one colocated engine with chunked
-# prefill, and 1P1D. `NAME:cache` / `NAME:nocache` runs the arm's engines with prefix caching on / off
-# (PD_PREFIX_CACHING=1|0); a bare NAME leaves the engines' config as it ships.
-STACKS = ("colocated", "colocated-x2", "colocated-chunked", "disaggregated")
-CACHE_MODES = {"": None, "cache": "1", "nocache": "0"}
-COMPOSE_FILES = {"colocated": "compose.colocated.yaml", "colocated-x2": "compose.colocated.yaml",
-                 "colocated-chunked": "compose.colocated.yaml", "disaggregated": "compose.yaml"}
-ENGINE_SERVICES = {"colocated": ("engine",), "colocated-x2": ("engine", "engine2"), "colocated-chunked": ("engine",),
-                   "disaggregated": ("prefill", "decode")}
-COLOCATED_CONFIG = REPO / "colocated" / "config.json"
-# Chunk budget with --colocated-chunked-prefill: a 256-token chunk costs ≈ 0.15–0.2 s on one core
-# here (≈ 3 batched decode steps, an 800-token prompt ≈ 0.55 s), so a prefill stalls decodes in
-# ≈ 3 short steps instead of one long one; the shipped 2048 would never cut an ~800-token prompt.
-CHUNKED_PREFILL_BUDGET = 256
-
-
-@dataclass(frozen=True)
-class StackSpec:
-    """One arm of the experiment: how to start it (or where it already runs)."""
-
-    name: str  # the arm, e.g. "colocated-x2:cache"
-    compose_file: Path | None  # None: `url` is already running
-    env: dict[str, str] = field(default_factory=dict)  # cpusets, model, key for compose
-    url: str | None = None
-    engine_env: dict[str, str] = field(default_factory=dict)  # extra environment of the engine containers
-    config_dir: Path | None = None  # generated engine config.json mounted at /config instead of the shipped one
-    replica_cpus: str = ""  # colocated-x2: the second replica's cpuset (the first takes ENGINE_CPUS)
-
-    @property
-    def base(self) -> str:
-        """The stack without the cache mode: "colocated-x2" of "colocated-x2:cache"."""
-        return self.name.partition(":")[0]
-
-
-class StackError(RuntimeError):
-    """A stack that would not start or answer; the message carries the compose output."""
+from stack.bench import arms, report, repeats, scrape, serve, stacks, summary, sweep
+from stack.bench.arms import Arm
+from stack.bench.charts import load_chart
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     serve.add_workload_args(parser)
     parser.set_defaults(percentile_metrics="ttft,tpot,itl,e2el", metric_percentiles="90,99")
-    parser.add_argument("--checkpoint", default="dummy:small", help="engine model for both stacks (PD_CHECKPOINT)")
+    parser.add_argument("--checkpoint", default="dummy:small",
+                        help=f"model of every arm: dummy:tiny|dummy:small (numpy only), {arms.TINY_LLAMA} (written, served by "
+                             "numpy and vLLM alike) or a Hugging Face checkpoint directory")
+    parser.add_argument("--max-model-len", type=int, default=2048, help=f"context of {arms.TINY_LLAMA} and of vLLM's engines")
     parser.add_argument("--stacks", default="colocated,disaggregated",
-                        help=f"which arms, in run order: {', '.join(STACKS)}, each optionally :cache or :nocache "
-                             "(ratios divide by the best colocated arm; without one, by the first)")
+                        help="arms, comma-separated: [vllm:]SHAPE[:cache|:nocache][@CPUS[/CPUS]] (stack/bench/arms.py)")
     parser.add_argument("--url", action="append", default=[], metavar="NAME=URL", help="use a running stack for NAME")
-    parser.add_argument("--sweep", default=None, metavar="RATE,RATE,…", help="goodput vs request rate for both stacks")
+    parser.add_argument("--sweep", default=None, metavar="P,P,…",
+                        help="ascending load points: req/s, or agent sessions with --dataset-name agentic")
+    parser.add_argument("--knee-attainment", type=float, default=sweep.DEFAULT_THRESHOLD,
+                        help="SLO attainment below which an arm is past its knee")
+    parser.add_argument("--past-knee", type=int, default=sweep.DEFAULT_PAST_KNEE, help="points run after the knee")
+    parser.add_argument("--repeats", type=int, default=3, help="times every arm runs its sweep")
+    parser.add_argument("--order", choices=repeats.ORDERS, default="alternate", help="arm order per repeat")
+    parser.add_argument("--order-seed", type=int, default=None, help="seed of --order random (default: --seed)")
+    parser.add_argument("--max-load", type=float, default=None, help="1-minute load above which a run does not start "
+                        "(default: the core count)")
+    parser.add_argument("--on-high-load", choices=repeats.POLICIES, default="refuse",
+                        help="refuse: stop the experiment; flag: run and mark the figures")
+    parser.add_argument("--load-wait", type=float, default=120.0, help="seconds to wait for the load to fall first")
     parser.add_argument("--warmup", type=int, default=4, help="requests sent (and ignored) before measuring")
-    parser.add_argument("--out", default="results", help="directory for the table, charts and JSON")
+    parser.add_argument("--out", default="results", help="directory for the tables, charts and JSON")
     parser.add_argument("--project-prefix", default="pdbench", help="docker compose project name prefix")
-    parser.add_argument("--colocated-cpus", default="0,1", help="cpuset of the colocated engine (colocated-x2: one replica per cpu)")
-    parser.add_argument("--prefill-cpus", default="0", help="cpuset of the prefill engine")
-    parser.add_argument("--decode-cpus", default="1", help="cpuset of the decode engine")
+    parser.add_argument("--colocated-cpus", default="0,1", help="cpus of a colocated engine (colocated-x2: one replica per cpu)")
+    parser.add_argument("--prefill-cpus", default="0", help="cpus of the prefill engine")
+    parser.add_argument("--decode-cpus", default="1", help="cpus of the decode engine")
     parser.add_argument("--router-cpus", default="", help="cpuset of the router (default: unpinned)")
-    parser.add_argument(
-        "--engine-env", action="append", default=[], metavar="KEY=VALUE",
-        help="extra environment for every engine container in both stacks, e.g. OPENBLAS_NUM_THREADS=1",
-    )
-    parser.add_argument(
-        "--colocated-chunked-prefill", action="store_true",
-        help="run the colocated engine with chunked_prefill (vLLM V1's default) instead of the shipped config",
-    )
-    parser.add_argument(
-        "--colocated-max-num-batched-tokens", type=int, default=None, metavar="N",
-        help=f"step token budget of the colocated engine (default with chunked prefill: {CHUNKED_PREFILL_BUDGET})",
-    )
-    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a stack to come up")
+    parser.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra environment for every engine container, e.g. OPENBLAS_NUM_THREADS=1")
+    parser.add_argument("--colocated-chunked-prefill", action="store_true",
+                        help="run the numpy colocated engine with chunked_prefill (vLLM V1's default)")
+    parser.add_argument("--colocated-max-num-batched-tokens", type=int, default=None, metavar="N",
+                        help=f"step token budget of the numpy colocated engine (chunked default: {arms.CHUNKED_PREFILL_BUDGET})")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a stack to come up and answer")
     parser.add_argument("--keep-up", action="store_true", help="leave the last stack running (debugging)")
 
 
-def stack_specs(args: argparse.Namespace) -> list[StackSpec]:
-    urls = dict(item.split("=", 1) for item in args.url)
-    common = {"TAOTOKEN_API_KEY": args.api_key, "PD_INTERNAL_KEY": secrets.token_hex(16),  # router → engines
-              "PD_CHECKPOINT": args.checkpoint, "ROUTER_CPUS": args.router_cpus}
-    first, _, rest = args.colocated_cpus.partition(",")
-    cpus = {
-        "colocated": {"ENGINE_CPUS": args.colocated_cpus},
-        "colocated-chunked": {"ENGINE_CPUS": args.colocated_cpus},
-        "colocated-x2": {"ENGINE_CPUS": first},
-        "disaggregated": {"PREFILL_CPUS": args.prefill_cpus, "DECODE_CPUS": args.decode_cpus},
-    }
-    engine_env = dict(item.split("=", 1) for item in args.engine_env)
-    specs = []
-    for name in args.stacks.split(","):
-        base, _, mode = name.partition(":")
-        compose = None if name in urls else REPO / COMPOSE_FILES[base]
-        changes = colocated_config_changes(args) if base == "colocated" else {}
-        if base == "colocated-chunked":
-            changes = {"chunked_prefill": True, "max_num_batched_tokens": args.colocated_max_num_batched_tokens or CHUNKED_PREFILL_BUDGET}
-        config_dir = write_colocated_config(Path(args.out) / f"{base}-engine", changes) if compose and changes else None
-        env = {**engine_env, **({"PD_PREFIX_CACHING": CACHE_MODES[mode]} if CACHE_MODES[mode] else {})}
-        specs.append(StackSpec(name, compose, {**common, **cpus[base]}, urls.get(name), env, config_dir,
-                               rest.split(",")[0] if base == "colocated-x2" else ""))
-    return specs
+def agentic(args: argparse.Namespace) -> bool:
+    return args.dataset_name == "agentic"
 
 
-def colocated_config_changes(args: argparse.Namespace) -> dict[str, Any]:
-    """The keys --colocated-chunked-prefill / --colocated-max-num-batched-tokens change in the shipped config."""
-    changes: dict[str, Any] = {}
-    if args.colocated_chunked_prefill:
-        changes = {"chunked_prefill": True, "max_num_batched_tokens": CHUNKED_PREFILL_BUDGET}
-    if args.colocated_max_num_batched_tokens is not None:
-        changes["max_num_batched_tokens"] = args.colocated_max_num_batched_tokens
-    return changes
+def unit(args: argparse.Namespace) -> str:
+    return "sessions" if agentic(args) else "req/s"
 
 
-def write_colocated_config(directory: Path, changes: dict[str, Any]) -> Path:
-    """Copy colocated/config.json with `changes` into `directory` (absolute: compose mounts it)."""
-    directory = directory.resolve()
-    directory.mkdir(parents=True, exist_ok=True)
-    config = {**json.loads(COLOCATED_CONFIG.read_text()), **changes}
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return directory
-
-
-def engine_override(spec: StackSpec) -> dict[str, Any]:
-    """A compose override for each engine service: `spec.engine_env` added to its environment (compose
-    merges `environment` maps key by key, so the base file's variables stay) and `spec.config_dir` at
-    /config (compose merges `volumes` by container path, so it replaces the shipped config's mount)."""
-    service: dict[str, Any] = {}
-    if spec.engine_env:
-        service["environment"] = spec.engine_env
-    if spec.config_dir:
-        service["volumes"] = [f"{spec.config_dir}:/config:ro"]
-    services: dict[str, Any] = {name: dict(service) for name in ENGINE_SERVICES[spec.base]} if service else {}
-    if spec.base == "colocated-x2":
-        # The second replica is the first one's twin on the other core; the router spreads sessions over both.
-        both = "http://engine:8000,http://engine2:8000"
-        services.setdefault("engine2", {}).update(extends={"file": COMPOSE_FILES["colocated"], "service": "engine"},
-                                                  cpuset=spec.replica_cpus)
-        services["router"] = {"environment": {"PREFILL_ENDPOINT": both, "DECODE_ENDPOINT": both},
-                              "depends_on": {"engine2": {"condition": "service_healthy"}}}
-    return {"services": services} if services else {}
-
-
-def _compose(spec: StackSpec, project: str, *command: str, timeout: float = 600) -> str:
-    """Run `docker compose -p project -f file …`; raise StackError with its output on failure."""
-    files = ["-f", str(spec.compose_file)]
-    if override_spec := engine_override(spec):
-        # JSON is YAML; relative paths (volumes) still resolve against the first file's directory.
-        override = override_path(project)
-        override.write_text(json.dumps(override_spec))
-        files += ["-f", str(override)]
-    argv = ["docker", "compose", "-p", project, *files, *command]
-    env = {**os.environ, **{k: v for k, v in spec.env.items() if v}}
-    done = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        raise StackError(f"{shlex.join(argv)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
-    return done.stdout
-
-
-def override_path(project: str) -> Path:
-    return Path(tempfile.gettempdir()) / f"{project}.override.json"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_stack(spec: StackSpec, project: str, timeout: float) -> str:
-    """`up --wait` (health-gated) with the router on a free host port; returns the router's URL."""
-    port = free_port()
-    print(f"[compare] starting {spec.name}: docker compose -p {project} -f {spec.compose_file.name} up", flush=True)
-    spec.env["ROUTER_PORT"] = str(port)
-    # --no-build: the image comes from `./pd build` (it needs the offline wheelhouse/base image).
-    _compose(spec, project, "up", "-d", "--no-build", "--wait", "--wait-timeout", str(int(timeout)),
-             timeout=timeout + 60)
-    return f"http://127.0.0.1:{port}"
-
-
-def stop_stack(spec: StackSpec, project: str) -> None:
-    print(f"[compare] stopping {spec.name}", flush=True)
-    _compose(spec, project, "down", "-v", "--remove-orphans", timeout=180)
-    override_path(project).unlink(missing_ok=True)
-
-
-async def wait_ready(base_url: str, api_key: str | None, timeout: float) -> None:
-    """Poll GET /v1/models through the router until it answers 200 (compose health is not enough
-    when the router is healthy before its backends are)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    deadline = time.monotonic() + timeout
-    last = ""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-        while time.monotonic() < deadline:
-            try:
-                async with session.get(f"{base_url}/v1/models", headers=headers) as response:
-                    if response.status == 200:
-                        return
-                    last = f"HTTP {response.status}: {(await response.text())[:200]}"
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-                last = repr(exc)
-            await asyncio.sleep(1.0)
-    raise StackError(f"{base_url} not ready after {timeout:.0f}s: {last}")
-
-
-def run_args(args: argparse.Namespace, base_url: str, rate: float, **overrides: Any) -> argparse.Namespace:
-    """The `serve` arguments for one measured run (same seed → same prompts and arrival times)."""
-    one = copy.copy(args)
-    one.base_url, one.request_rate, one.label = base_url, rate, overrides.pop("label", None)
-    for key, value in overrides.items():
-        setattr(one, key, value)
-    return one
+def plan(args: argparse.Namespace) -> sweep.SweepPlan:
+    if args.sweep:
+        return sweep.SweepPlan.parse(args.sweep, args.knee_attainment, args.past_knee)
+    return sweep.SweepPlan((float(args.agentic_sessions if agentic(args) else args.request_rate),), args.knee_attainment, 0)
 
 
 def point_args(args: argparse.Namespace, base_url: str, point: float, label: str) -> argparse.Namespace:
-    """One measured run at a sweep point: a request rate, or with the agentic workload a number of sessions."""
-    if args.dataset_name != "agentic":
-        return run_args(args, base_url, point, label=label)
-    sessions = int(point) if args.sweep else args.agentic_sessions
-    return run_args(args, base_url, float("inf"), label=label, agentic_sessions=sessions, num_prompts=sessions * args.agentic_turns)
+    """The `serve` arguments of one measured run: a request rate, or with the agentic workload a number of sessions
+    (same seed → same prompts and arrival times for every arm)."""
+    one = copy.copy(args)
+    one.base_url, one.label = base_url, label
+    if agentic(args):
+        one.request_rate, one.agentic_sessions = float("inf"), int(point)
+        one.num_prompts = one.agentic_sessions * args.agentic_turns
+    else:
+        one.request_rate = point
+    return one
 
 
 def warmup_args(args: argparse.Namespace, base_url: str) -> argparse.Namespace:
     """Warm-up on other prompts (seed + 1): loads code paths and the model, not the measured run's prefixes."""
-    if args.dataset_name == "agentic":  # one short session, no pauses
-        return run_args(args, base_url, float("inf"), seed=args.seed + 1, disable_tqdm=True, agentic_sessions=1, agentic_turns=2,
-                        agentic_think_mean_s=0.0, agentic_stagger_s=0.0, num_prompts=2)
-    return run_args(args, base_url, float("inf"), num_prompts=args.warmup, max_concurrency=1, seed=args.seed + 1, disable_tqdm=True)
+    one = copy.copy(args)
+    one.base_url, one.seed, one.disable_tqdm, one.request_rate, one.label = base_url, args.seed + 1, True, float("inf"), None
+    if agentic(args):  # one short session, no pauses
+        one.agentic_sessions, one.agentic_turns, one.agentic_think_mean_s, one.agentic_stagger_s, one.num_prompts = 1, 2, 0.0, 0.0, 2
+    else:
+        one.num_prompts, one.max_concurrency = args.warmup, 1
+    return one
 
 
-# The router's counters of where prompts went and what the engines' prefix caches served (stack/router/metrics.py).
-ROUTER_COUNTERS = ("pd_router_prompt_tokens_total", "pd_router_cached_prompt_tokens_total", "pd_router_affinity_decisions_total")
-
-
-async def router_counters(base_url: str) -> dict[str, float]:
-    """ROUTER_COUNTERS series from GET /metrics ("name{labels}" → value); empty if the router does not answer."""
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
-            async with session.get(f"{base_url}/metrics") as response:
-                text = await response.text() if response.status == 200 else ""
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        text = ""
-    return parse_counters(text)
-
-
-def parse_counters(text: str) -> dict[str, float]:
-    series = {}
-    for line in text.splitlines():
-        if line.startswith(ROUTER_COUNTERS):
-            name, _, value = line.rpartition(" ")
-            series[name] = float(value)
-    return series
-
-
-def cache_summary(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
-    """What one run added: prompt and cached tokens (hit rate) and the routing decisions, summed over backends."""
-    added = {k: v - before.get(k, 0.0) for k, v in after.items()}
-    prompt = sum(v for k, v in added.items() if k.startswith(ROUTER_COUNTERS[0]))
-    cached = sum(v for k, v in added.items() if k.startswith(ROUTER_COUNTERS[1]))
-    decisions: dict[str, float] = {}
-    for key, value in added.items():
-        if key.startswith(ROUTER_COUNTERS[2]) and value:
-            decision = key.split('decision="', 1)[1].split('"', 1)[0]
-            decisions[decision] = decisions.get(decision, 0.0) + value
-    return {"prompt_tokens": prompt, "cached_tokens": cached, "hit_rate": cached / prompt if prompt else None,
-            "affinity_decisions": decisions}
-
-
-async def measure_stack(args: argparse.Namespace, spec: StackSpec, base_url: str, rates: list[float]) -> list[dict]:
-    await wait_ready(base_url, args.api_key, args.startup_timeout)
+async def measure(args: argparse.Namespace, arm: Arm, base_url: str, repeat: int, guard: repeats.LoadGuard) -> list[dict]:
+    """Warm up, then climb the ladder until the sweep plan says the arm is past its knee."""
+    await stacks.wait_answering(base_url, args.api_key, args.startup_timeout)
     if args.warmup:
-        print(f"[compare] {spec.name}: warm-up", flush=True)
+        print(f"[compare] {arm.name}: warm-up", flush=True)
         await serve.benchmark(warmup_args(args, base_url))
-    results = []
-    for rate in rates:
-        one = point_args(args, base_url, rate, spec.name)
-        what = f"{one.agentic_sessions} agent sessions" if args.dataset_name == "agentic" else f"{rate} req/s"
-        print(f"[compare] {spec.name}: {one.num_prompts} requests, {what}", flush=True)
-        load_before = os.getloadavg()[0]
-        counters = await router_counters(base_url)
+    ladder = plan(args)
+    results: list[dict] = []
+    while (point := ladder.next_point(results)) is not None:
+        one = point_args(args, base_url, point, arm.name)
+        what = f"repeat {repeat + 1}, {arm.name}, {point:g} {unit(args)}"
+        load_before, flagged = guard.check(what)
+        print(f"[compare] {what}: {one.num_prompts} requests (load {load_before:.2f}{', FLAGGED' if flagged else ''})", flush=True)
+        before = await scrape.router_metrics(base_url)
         result = await serve.benchmark(one)
-        result["router_cache"] = cache_summary(counters, await router_counters(base_url))
-        result["stack"] = spec.name
-        result["sweep_point"] = rate
-        result["loadavg_1m_before"] = load_before
-        result["loadavg_1m_after"] = os.getloadavg()[0]
-        result["cpus"] = {k: v for k, v in spec.env.items() if k.endswith("_CPUS")}
+        after = await scrape.router_metrics(base_url)
+        result.update(stack=arm.name, repeat=repeat, sweep_point=point, loadavg_1m_before=load_before,
+                      loadavg_1m_after=os.getloadavg()[0], load_flagged=flagged,
+                      cpus={k: v for k, v in arm.env.items() if k.endswith("_CPUS")},
+                      router_cache=scrape.cache_summary(scrape.parse_counters(before[1]), scrape.parse_counters(after[1])),
+                      advise=scrape.advise_verdict(before, after, args.goodput_ms or {}))
         if result["request_goodput"] is not None:
             result["slo_attainment"] = result["request_goodput"] * result["duration"] / one.num_prompts
         for line in serve.failure_lines(result):
@@ -324,20 +160,20 @@ async def measure_stack(args: argparse.Namespace, spec: StackSpec, base_url: str
     return results
 
 
-def run_stack(args: argparse.Namespace, spec: StackSpec, rates: list[float], last: bool) -> list[dict]:
-    if spec.url:
-        return asyncio.run(measure_stack(args, spec, spec.url.rstrip("/"), rates))
-    project = f"{args.project_prefix}-{spec.name.replace(':', '-')}"
+def run_arm(args: argparse.Namespace, arm: Arm, repeat: int, guard: repeats.LoadGuard, last: bool) -> list[dict]:
+    if arm.url:
+        return asyncio.run(measure(args, arm, arm.url.rstrip("/"), repeat, guard))
+    project = f"{args.project_prefix}-{arm.name}".replace(":", "-").replace("@", "-at").replace("/", "-").replace("+", "_")
     try:
-        base_url = start_stack(spec, project, args.startup_timeout)
-        return asyncio.run(measure_stack(args, spec, base_url, rates))
+        base_url = stacks.start(arm, project, args.startup_timeout)
+        return asyncio.run(measure(args, arm, base_url, repeat, guard))
     finally:
         if not (args.keep_up and last):
-            stop_stack(spec, project)
+            stacks.stop(arm, project)
 
 
 def hardware() -> str:
-    """CPU model and count from lscpu (the README wants the hardware next to the numbers)."""
+    """CPU model and count from lscpu (the figures mean nothing without the hardware next to them)."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
     except OSError:
@@ -347,102 +183,123 @@ def hardware() -> str:
     return f"{model}, {fields.get('CPU(s)', '?').strip()} vCPU ({fields.get('Hypervisor vendor', 'bare metal').strip()})"
 
 
-def conditions(args: argparse.Namespace, specs: list[StackSpec], command: str) -> str:
+def conditions(args: argparse.Namespace, specs: list[Arm], command: str, orders: list[list[str]]) -> str:
     slos = ", ".join(f"{k} ≤ {v:g} ms" for k, v in (args.goodput_ms or {}).items()) or "none"
-    cpus = "; ".join(
-        f"{s.name}: " + ", ".join(f"{k}={v}" for k, v in s.env.items() if k.endswith("_CPUS") and v) for s in specs
-    )
+    cpus = "; ".join(f"{s.name}: " + ", ".join(f"{k}={v}" for k, v in s.env.items() if k.endswith("_CPUS") and v) for s in specs)
     engine_env = "; ".join(f"{s.name}: " + " ".join(f"{k}={v}" for k, v in s.engine_env.items()) for s in specs if s.engine_env) \
         or "none (as the compose files ship)"
-    changes = colocated_config_changes(args)
-    colocated_config = (
-        "colocated/config.json with " + ", ".join(f"{k}={json.dumps(v)}" for k, v in changes.items())
-        if changes else "colocated/config.json as shipped"
-    )
+    changes = arms.colocated_config_changes(args)
+    colocated_config = ("colocated/config.json with " + ", ".join(f"{k}={json.dumps(v)}" for k, v in changes.items())
+                        if changes else "colocated/config.json as shipped")
+    workload = (f"agentic: sessions × {args.agentic_turns} turns, system prompt {args.agentic_system_len} tokens, "
+                f"{args.agentic_tools} tools" if agentic(args) else f"{args.dataset_name}, {args.num_prompts} prompts per point")
+    seed = args.seed if args.order_seed is None else args.order_seed
     return "\n".join([
         f"- Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
         f"- Command: `{command}`",
         f"- Hardware: {hardware()}; Python {platform.python_version()}",
-        f"- CPU pinning: {cpus}",
-        f"- Model: {args.checkpoint}; endpoint {args.endpoint}; dataset {args.dataset_name}; {args.num_prompts} prompts;"
-        f" seed {args.seed}; burstiness {args.burstiness}; max concurrency {args.max_concurrency}",
-        f"- Goodput SLOs: {slos}",
+        f"- CPU placement: {cpus}",
+        f"- Model: {args.checkpoint} (max model len {args.max_model_len}); lengths in {'its tokens' if args.tokenizer else 'bytes'}; "
+        f"endpoint {args.endpoint}; workload {workload}; "
+        f"seed {args.seed}; burstiness {args.burstiness}; max concurrency {args.max_concurrency}",
+        f"- Goodput SLOs: {slos}; knee: SLO attainment < {args.knee_attainment:.0%}, then {args.past_knee} more point(s)",
+        f"- Repeats: {args.repeats}, arm order {args.order}" + (f" (seed {seed})" if args.order == "random" else "") + ": "
+        + "; ".join(f"{i + 1}: {', '.join(o)}" for i, o in enumerate(orders)),
         f"- Extra engine environment: {engine_env}",
-        f"- Colocated engine config: {colocated_config}",
+        f"- Colocated numpy engine config: {colocated_config}",
     ])
 
 
-def write_report(args: argparse.Namespace, specs: list[StackSpec], runs: dict[str, list[dict]], command: str) -> Path:
+def runs_table(runs: list[dict], unit_name: str) -> str:
+    """Markdown: every run in the order it ran, with the host's load before and after and whether it was flagged."""
+    lines = [f"| # | Repeat | Arm | Load ({unit_name}) | 1-min load before → after | Flagged | SLO attainment | Failed |",
+             "|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(runs, 1):
+        attained = r.get("slo_attainment")
+        lines.append(f"| {i} | {r['repeat'] + 1} | {r['stack']} | {r['sweep_point']:g} | {r['loadavg_1m_before']:.2f} → "
+                     f"{r['loadavg_1m_after']:.2f} | {'yes' if r['load_flagged'] else ''} | "
+                     f"{'–' if attained is None else f'{attained:.0%}'} | {r['failed']} |")
+    return "\n".join(lines)
+
+
+def write_report(args: argparse.Namespace, specs: list[Arm], runs: list[dict], command: str, orders: list[list[str]]) -> Path:
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    agentic = args.dataset_name == "agentic"
-    unit = "sessions" if agentic else "qps"
-    for name, results in runs.items():
-        for result in results:
-            point = result["sweep_point"] if agentic else result["request_rate"]
-            (out / f"{name.replace(':', '-')}-{point}{unit}.json").write_text(json.dumps(result))
-    head = [f"# Colocated vs disaggregated ({args.checkpoint})", "", conditions(args, specs, command), ""]
-    loads = "; ".join(
-        f"{n} {r['request_rate']} req/s: {r['loadavg_1m_before']:.2f}→{r['loadavg_1m_after']:.2f}"
-        for n, rs in runs.items() for r in rs
-    )
-    head += [f"- Host 1-min load average before→after each run (other work shares these cores): {loads}", ""]
-    final = {name: results[-1] for name, results in runs.items()}
-    last = next(iter(final.values()))
-    point = f"{last['num_prompts'] // args.agentic_turns} agent sessions × {args.agentic_turns} turns" if agentic else f"{last['request_rate']} req/s"
-    body = [f"## At {point}", "", report.comparison_table(final), "", "![latency](compare.png)", ""]
-    best = report.best_colocated(final)
-    if best is not None:
-        body += [f"### Against the best colocated arm ({best})", "", report.ratio_table(final, best), ""]
-        for arm in (n for n in final if n.startswith("disaggregated")):
-            body += [f"Goals for {arm}:", "", *report.goal_lines(final, best, arm), ""]
-    body += ["### Prefix cache and routing (router /metrics over the run)", "", report.cache_table(final), ""]
-    report.comparison_chart(final, out / "compare.png", title=f"{args.checkpoint}, {point}, {last['num_prompts']} requests")
-    if args.sweep:
-        axis = ("Agent sessions", "agent sessions") if agentic else ("Rate (req/s)", "request rate (req/s)")
-        body += ["## Sweep", "", report.sweep_table(runs, axis[0]), "", "![sweep](sweep.png)", ""]
-        report.sweep_chart(runs, out / "sweep.png", title=f"{args.checkpoint}, sweep", axis=axis[1])
-        (out / "sweep.md").write_text("\n".join(head + body[-5:]))
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    for r in runs:
+        name = f"{r['repeat'] + 1}-{r['stack']}-{r['sweep_point']:g}".replace(":", "-").replace("/", "-")
+        (out / "runs" / f"{name}.json").write_text(json.dumps(r))
+    unit_name = unit(args)
+    flagged = sum(r["load_flagged"] for r in runs)
+    body = [f"# Colocated vs disaggregated ({args.checkpoint})", "", conditions(args, specs, command, orders), ""]
+    if flagged:
+        body += [f"**{flagged} of {len(runs)} runs started with the host's load above {args.max_load or os.cpu_count()}: "
+                 "their figures measure other work too (Flagged column below).**", ""]
+    for engine in ("numpy", "vllm"):
+        section = summary.engine_section(runs, engine, args.knee_attainment, unit_name)
+        if section:
+            chart = load_chart([r for r in runs if summary.engine_of(r["stack"]) == engine], out / f"load-{engine}.png",
+                               unit_name, title=f"{engine}: {args.checkpoint}, median and min–max of {args.repeats} repeats")
+            body += [*section, f"![latency and goodput vs load]({chart.name})", ""]
+    first = [r for r in runs if r["repeat"] == 0]
+    names = list(dict.fromkeys(r["stack"] for r in first))
+    common = summary.common_load(first, names, args.knee_attainment)
+    detail = {n: r for n in names if (r := sweep.at_point([x for x in first if x["stack"] == n], common or math.nan))}
+    if detail:
+        body += [f"## Detail: repeat 1 at {common:g} {unit_name}", "", report.comparison_table(detail), "", "![latency](compare.png)",
+                 "", "Prefix cache and routing (router /metrics over the run):", "", report.cache_table(detail), ""]
+        report.comparison_chart(detail, out / "compare.png", title=f"{args.checkpoint}, repeat 1, {common:g} {unit_name}")
+    body += ["## Every run", "", runs_table(runs, unit_name), ""]
     path = out / "compare.md"
-    path.write_text("\n".join(head + body))
+    path.write_text("\n".join(body))
     return path
 
 
-def main(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> list[str]:
     problems = serve.check_args(args)
-    if args.sweep:
-        try:
-            rates = [float(r) for r in args.sweep.split(",")]
-        except ValueError:
-            problems.append(f"--sweep: {args.sweep!r} is not comma-separated rates")
-    else:
-        rates = [args.request_rate]
+    try:
+        plan(args)
+    except sweep.SweepError as exc:
+        problems.append(str(exc))
     if args.colocated_max_num_batched_tokens is not None and args.colocated_max_num_batched_tokens <= 0:
         problems.append(f"--colocated-max-num-batched-tokens must be positive, got {args.colocated_max_num_batched_tokens}")
     malformed = [item for item in args.url + args.engine_env if "=" not in item]
     if malformed:
         problems.append(f"--url / --engine-env take NAME=VALUE, got {malformed}")
-    unknown = [n for n in args.stacks.split(",") if n.partition(":")[0] not in STACKS or n.partition(":")[2] not in CACHE_MODES]
-    if unknown:
-        problems.append(f"--stacks: unknown {unknown}; choose from {list(STACKS)}, each optionally :cache or :nocache")
-    if "colocated-x2" in {n.partition(":")[0] for n in args.stacks.split(",")} and "," not in args.colocated_cpus:
-        problems.append(f"--stacks colocated-x2 needs two cpus in --colocated-cpus (one per replica), got {args.colocated_cpus!r}")
+    if args.repeats < 1:
+        problems.append(f"--repeats must be >= 1, got {args.repeats}")
+    return problems + arms.arms_problems(args)
+
+
+def main(args: argparse.Namespace) -> int:
+    problems = check(args)
     if problems:
         for problem in problems:
             print(f"error: {problem}", file=sys.stderr)
         return 2
     # The stacks need a unified key; make a throwaway one when the environment has none.
     args.api_key = args.api_key or "bench-" + secrets.token_urlsafe(16)
-    specs = stack_specs(args)
-    command = getattr(args, "command_line", "python -m stack.bench compare …")
-    runs: dict[str, list[dict]] = {}
+    specs = {arm.name: arm for arm in arms.build_arms(args)}
+    if not args.tokenizer and not args.checkpoint.startswith("dummy:"):
+        # Prompt lengths in the served model's tokens, not bytes (the dummy models' byte tokenizer counts bytes).
+        args.tokenizer = str(arms.checkpoint_dir(args) / "tokenizer.json")
+    orders = repeats.arm_orders(list(specs), args.repeats, args.order, args.seed if args.order_seed is None else args.order_seed)
+    guard = repeats.LoadGuard.for_host(args.max_load, args.on_high_load, args.load_wait)
+    runs: list[dict] = []
     try:
-        for i, spec in enumerate(specs):
-            runs[spec.name] = run_stack(args, spec, rates, last=i == len(specs) - 1)
-    except (StackError, subprocess.TimeoutExpired) as exc:
+        for repeat, order in enumerate(orders):
+            for i, name in enumerate(order):
+                last = repeat == len(orders) - 1 and i == len(order) - 1
+                runs += run_arm(args, specs[name], repeat, guard, last)
+    except (stacks.StackError, repeats.HostBusy, subprocess.TimeoutExpired) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        if runs:
+            print(f"[compare] wrote the {len(runs)} runs so far: {write_report(args, list(specs.values()), runs, command_of(args), orders)}")
         return 1
-    path = write_report(args, specs, runs, command)
+    path = write_report(args, list(specs.values()), runs, command_of(args), orders)
     print(path.read_text())
-    print(f"[compare] wrote {path} and {path.with_suffix('.png')}")
+    print(f"[compare] wrote {path}")
     return 0
+
+
+def command_of(args: argparse.Namespace) -> str:
+    return getattr(args, "command_line", "python -m stack.bench compare …")

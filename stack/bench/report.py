@@ -1,13 +1,13 @@
 """Colocated-vs-disaggregated report: Markdown tables and PNG charts from result dicts.
 
-Pure functions over the dicts `serve.benchmark` returns (with per-request lists). The wide table divides the last
-arm by the first; `ratio_table` and `goal_lines` divide every arm by the BEST colocated arm (`best_colocated`), the
-alternative a user would pick instead of PD on the same cores.
+Pure functions over the dicts `serve.benchmark` returns (with per-request lists), for one load point of one repeat
+(compare's detail section); the figures over repeats are stack/bench/summary.py's. The wide table divides the last
+arm by the first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,32 +55,6 @@ def comparison_table(results: Mapping[str, Result]) -> str:
     return "\n".join(lines)
 
 
-# The issue's goals for PD with caching against the best colocated arm: (result key, label, direction, target ratio).
-GOALS = (("p99_ttft_ms", "TTFT P99", "<=", 0.5), ("p99_itl_ms", "ITL P99", "<=", 0.5), ("request_goodput", "Goodput", ">=", 1.5))
-RATIO_ROWS = (("p99_ttft_ms", "TTFT P99"), ("p99_tpot_ms", "TPOT P99"), ("p99_itl_ms", "ITL P99"),
-              ("request_goodput", "goodput"), ("slo_attainment", "SLO attainment"))
-
-
-def best_colocated(results: Mapping[str, Result]) -> str | None:
-    """The colocated arm a user would pick: highest goodput, then lowest TTFT P99 (None without colocated arms)."""
-    colocated = [name for name in results if name.startswith("colocated")]
-    return max(colocated, key=lambda n: (results[n].get("request_goodput") or 0.0, -(results[n].get("p99_ttft_ms") or 0.0)),
-               default=None)
-
-
-def ratio_table(results: Mapping[str, Result], baseline: str) -> str:
-    """Markdown: per arm, each P99 and goodput figure with its ratio to `baseline` (latency: lower is better)."""
-    base = results[baseline]
-    lines = [f"| Arm | {' | '.join(label for _, label in RATIO_ROWS)} |", "|---" * (len(RATIO_ROWS) + 1) + "|"]
-    for name, result in results.items():
-        cells = []
-        for key, _ in RATIO_ROWS:
-            digits = 3 if key in ("request_goodput", "slo_attainment") else 0
-            cells.append(f"{_fmt(result.get(key), digits)} ({_ratio(result.get(key), base.get(key))})")
-        lines.append(f"| {name}{' (baseline)' if name == baseline else ''} | {' | '.join(cells)} |")
-    return "\n".join(lines)
-
-
 def cache_table(results: Mapping[str, Result]) -> str:
     """Markdown: per arm, the prompt tokens the engines served from their prefix caches (router /metrics) and how the
     router placed the legs (cache_aware decisions)."""
@@ -91,38 +65,6 @@ def cache_table(results: Mapping[str, Result]) -> str:
         rate = cache.get("hit_rate")
         lines.append(f"| {name} | {_fmt(cache.get('prompt_tokens'), 0)} | {_fmt(cache.get('cached_tokens'), 0)} | "
                      f"{'–' if rate is None else f'{100 * rate:.0f} %'} | {decisions} |")
-    return "\n".join(lines)
-
-
-def goal_lines(results: Mapping[str, Result], baseline: str, arm: str) -> list[str]:
-    """One line per goal: `arm`'s ratio to `baseline`, met or missed, and by what factor."""
-    lines = []
-    for key, label, direction, target in GOALS:
-        value, base = results[arm].get(key), results[baseline].get(key)
-        if value is None or not base:
-            lines.append(f"- {label}: not measured (no value for {arm} or {baseline})")
-            continue
-        ratio = value / base
-        met = ratio <= target if direction == "<=" else ratio >= target
-        factor = (ratio / target if direction == "<=" else target / ratio) if ratio else float("inf")
-        verdict = "met" if met else f"missed by {factor:.2f}×"
-        lines.append(f"- {label}: {arm} / {baseline} = {ratio:.2f}× (goal {direction} {target}×): {verdict}")
-    return lines
-
-
-def sweep_table(sweep: Mapping[str, Sequence[Result]], axis: str = "Rate (req/s)") -> str:
-    """Markdown: goodput and P99 ITL / TTFT per sweep point (request rate, or agent sessions) for each stack."""
-    names = list(sweep)
-    rates = [r.get("sweep_point", r["request_rate"]) for r in sweep[names[0]]]
-    head = " | ".join(f"{n} goodput | {n} P99 ITL (ms) | {n} P99 TTFT (ms)" for n in names)
-    lines = [f"| {axis} | {head} |", "|---" * (1 + 3 * len(names)) + "|"]
-    for i, rate in enumerate(rates):
-        cells = " | ".join(
-            f"{_fmt(sweep[n][i].get('request_goodput'), 3)} | {_fmt(sweep[n][i].get('p99_itl_ms'))}"
-            f" | {_fmt(sweep[n][i].get('p99_ttft_ms'))}"
-            for n in names
-        )
-        lines.append(f"| {rate} | {cells} |")
     return "\n".join(lines)
 
 
@@ -138,7 +80,7 @@ def per_request_samples(result: Result) -> dict[str, np.ndarray]:
     return {"ttft": ttft, "tpot": tpot, "itl": itl, "e2el": latency}
 
 
-def _save(fig, path: Path, title: str) -> Path:
+def save_figure(fig, path: Path, title: str) -> Path:
     """Title, layout and write one figure as PNG, then free it."""
     import matplotlib.pyplot as plt
 
@@ -183,34 +125,4 @@ def comparison_chart(results: Mapping[str, Result], path: Path, title: str = "")
     bar_ax.set_ylabel("P99 (ms, log scale)")
     bar_ax.set_title("P99 latency")
     bar_ax.legend()
-    return _save(fig, path, title)
-
-
-def sweep_chart(sweep: Mapping[str, Sequence[Result]], path: Path, title: str = "", axis: str = "request rate (req/s)") -> Path:
-    """PNG: goodput, SLO attainment (DistServe's 90 % line) and P99 ITL vs the sweep point, per stack."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (good_ax, attain_ax, itl_ax) = plt.subplots(1, 3, figsize=(16, 4.2))
-    for name, runs in sweep.items():
-        rates = [float(r.get("sweep_point", r["request_rate"])) for r in runs]
-        good_ax.plot(rates, [r.get("request_goodput") or 0.0 for r in runs], marker="o", label=name)
-        attain_ax.plot(rates, [100 * (r.get("slo_attainment") or 0.0) for r in runs], marker="o", label=name)
-        itl_ax.plot(rates, [r.get("p99_itl_ms") or 0.0 for r in runs], marker="o", label=name)
-    if axis.startswith("request rate"):
-        good_ax.plot(rates, rates, linestyle=":", color="grey", label="offered rate")
-    attain_ax.axhline(90, linestyle=":", color="grey", label="90 % (DistServe)")
-    attain_ax.set_ylim(0, 105)
-    for ax, ylabel, heading in (
-        (good_ax, "goodput (req/s meeting every SLO)", "Goodput"),
-        (attain_ax, "requests meeting every SLO (%)", "SLO attainment"),
-        (itl_ax, "P99 ITL (ms)", "Tail inter-token latency"),
-    ):
-        ax.set_xlabel(axis)
-        ax.set_ylabel(ylabel)
-        ax.set_title(heading)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    return _save(fig, path, title)
+    return save_figure(fig, path, title)

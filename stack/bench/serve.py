@@ -69,6 +69,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     ):
         parser.add_argument(f"--agentic-{name.replace('_', '-')}", dest=f"agentic_{name}", type=kind,
                             default=getattr(defaults, name), help=text)
+    parser.add_argument("--agentic-profile", choices=sorted(agentic.PROFILES), default=None,
+                        help="a real agent's system prompt and tool list sizes (claude-code: 27k characters, 14 tools); "
+                             "overrides --agentic-system-len and --agentic-tools")
     parser.add_argument(
         "--ignore-eos", action="store_true",
         help="send vLLM's ignore_eos: generate the full output budget (always on for --dataset-name random)",
@@ -117,6 +120,8 @@ def check_args(args: argparse.Namespace) -> list[str]:
     if args.max_concurrency is not None and args.max_concurrency <= 0:
         problems.append("--max-concurrency must be > 0")
     if args.dataset_name == "agentic":
+        for name, value in agentic.PROFILES.get(args.agentic_profile or "", {}).items():
+            setattr(args, f"agentic_{name}", value)
         problems += agentic_shape(args).problems()
         args.num_prompts = args.agentic_sessions * args.agentic_turns
     return problems

@@ -236,7 +236,7 @@ class PDClient:
                                          timeout(self.settings.connect_timeout_ms, round(job.budgets.decode_json(computes_prompt) * 1000)))
             except LegFailed as failure:
                 self.pairing.outcome(decode, failure)
-                raise
+                raise failure if computes_prompt else failure.after_prefill(decode) from None
             self.pairing.outcome(decode)
             return Leg(decode, answer=answer)
         response: aiohttp.ClientResponse | None = None
@@ -259,6 +259,7 @@ class PDClient:
                 exc = exception_failure(decode, exc, "before the first chunk")
             if isinstance(exc, LegFailed):
                 self.pairing.outcome(decode, exc)
+                exc = exc if computes_prompt else exc.after_prefill(decode)
             raise exc
         self._first_token(job, pair, sent)
         return Leg(decode, response=response, batches=batches, first=first, rest=frames[1:])

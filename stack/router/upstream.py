@@ -57,6 +57,15 @@ class LegFailed(Exception):
             return True
         return bool(self.code) and self.code.startswith("kv_") and self.code not in ("kv_not_a_producer", "kv_prompt_mismatch")
 
+    def after_prefill(self, decode: Backend) -> LegFailed:
+        """A decode leg that refused as a client error what the prefill engine already accepted: the request is the
+        same, so the engines disagree (max_model_len, tokenizer, model) — a deployment fault, a 502, not the client's."""
+        if not isinstance(self.error, (InvalidRequest, NotFound, PayloadTooLarge)):
+            return self
+        error = UpstreamError(f"decode engine {decode.url} refused a request the prefill engine accepted (HTTP {self.status}: "
+                              f"{self.error.message}): prefill and decode disagree; compare their max_model_len, tokenizer and "
+                              "model (python -m doctor check)", code="decode_rejected_after_prefill")
+        return LegFailed(error, retryable=False, status=self.status, code=self.code)
 
 
 def _role_name(backend: Backend) -> str:
@@ -95,7 +104,12 @@ def status_failure(backend: Backend, status: int, error: EngineError) -> LegFail
     the failure keeps the engine's code either way (`blames_decode` reads it)."""
     message, name = error.message, _role_name(backend)
     client_errors: dict[int, type[APIError]] = {400: InvalidRequest, 404: NotFound, 413: PayloadTooLarge, 422: InvalidRequest}
-    if status in client_errors:
+    if status in (401, 403):
+        # The engine refused the router's own key, not the client's: a deployment fault the client cannot fix (502).
+        api_error = UpstreamError(f"{name} refused the router's internal key (HTTP {status}: {message}): the router's "
+                                  "PD_INTERNAL_KEY does not match the engine's key (VLLM_API_KEY for vLLM)",
+                                  code="internal_key_rejected")
+    elif status in client_errors:
         api_error: APIError = client_errors[status](message, code=error.code or "upstream_rejected", param=error.param)
     elif 400 <= status < 500 and status != 429:
         api_error = InvalidRequest(message, code=error.code or f"upstream_{status}", param=error.param)

@@ -63,11 +63,13 @@ class VllmServer:
     """One `vllm serve` of the checkpoint on a free loopback port (its own process group, so stop() ends the API
     server, its engine core and their workers together); returns once GET /health is 200."""
 
-    def __init__(self, venv: Path, checkpoint: Path, log_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+    def __init__(self, venv: Path, checkpoint: Path, log_path: Path, *args: str, env: dict[str, str] | None = None,
+                 port: int | None = None) -> None:
+        """`port`: a restart on the old one (tests/vllm/record_bundles.py), whose log goes on in the same file."""
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self._log = log_path.open("w")
+        self._log = log_path.open("a")
         base = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                 "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(

@@ -6,9 +6,8 @@ import argparse
 
 import numpy as np
 
-from stack.bench import agentic, compare, report, serve
+from stack.bench import agentic, arms, compare, report, scrape, serve
 from stack.bench.dataset import byte_count
-from tests.unit.bench.test_compare_report import fake_result
 from tests.unit.bench.test_serve import parse
 
 SHAPE = agentic.AgenticShape(sessions=3, turns=3, system_len=500, tools=2, turn_len=40, output_len=4, think_mean_s=0.01,
@@ -57,36 +56,20 @@ def test_bad_agentic_knobs_are_reported() -> None:
     assert serve.check_args(args) == ["--agentic-sessions must be > 0", "--agentic-think-mean-s must be >= 0"]
 
 
-def test_ratios_and_goals_are_against_the_best_colocated_arm() -> None:
-    """The baseline is the colocated arm with the most goodput; each goal line says met, or missed by how much."""
-    results = {"colocated:nocache": fake_result(0.3), "colocated-x2:cache": fake_result(0.05),
-               "disaggregated:cache": fake_result(0.02)}
-    assert results["colocated-x2:cache"]["request_goodput"] > results["colocated:nocache"]["request_goodput"]
-    best = report.best_colocated(results)
-    assert best == "colocated-x2:cache"
-    table = report.ratio_table(results, best)
-    assert "| colocated-x2:cache (baseline) |" in table and "(1.00×)" in table
-    lines = report.goal_lines(results, best, "disaggregated:cache")
-    assert [line.split(":")[0] for line in lines] == ["- TTFT P99", "- ITL P99", "- Goodput"]
-    assert lines[0].endswith("missed by 2.00×")  # equal TTFT: 1.00× against a goal of ≤ 0.5×
-    assert "ITL P99: disaggregated:cache / colocated-x2:cache = 0.40×" in lines[1] and lines[1].endswith("met")
-    assert report.best_colocated({"disaggregated": fake_result(0.1)}) is None
-
-
 def test_arms_pin_the_same_two_cores_and_switch_prefix_caching() -> None:
     """Each arm on cores 0,1 its own way; :cache / :nocache set PD_PREFIX_CACHING on its engines; colocated-x2 runs a
     second replica on the second core behind the same router."""
     parser = argparse.ArgumentParser()
     compare.add_cli_args(parser)
     args = parser.parse_args(["--api-key", "k", "--stacks", "colocated:nocache,colocated-x2:cache,colocated-chunked,disaggregated:cache"])
-    plain, x2, chunked, pd = compare.stack_specs(args)
+    plain, x2, chunked, pd = arms.build_arms(args)
     assert plain.env["ENGINE_CPUS"] == "0,1" and plain.engine_env == {"PD_PREFIX_CACHING": "0"}
     assert chunked.config_dir is not None and chunked.engine_env == {}
-    override = compare.engine_override(x2)["services"]
+    override = arms.engine_override(x2)["services"]
     assert x2.env["ENGINE_CPUS"] == "0" and override["engine2"]["cpuset"] == "1"
     assert override["engine2"]["environment"] == {"PD_PREFIX_CACHING": "1"} == override["engine"]["environment"]
     assert override["router"]["environment"]["DECODE_ENDPOINT"] == "http://engine:8000,http://engine2:8000"
-    assert set(compare.engine_override(pd)["services"]) == {"prefill", "decode"}
+    assert set(arms.engine_override(pd)["services"]) == {"prefill", "decode"}
     bad = parser.parse_args(["--stacks", "colocated:warm,colocated-x2", "--colocated-cpus", "0"])
     bad.api_key = "k"
     assert compare.main(bad) == 2
@@ -100,13 +83,26 @@ def test_cache_summary_reads_what_a_run_added_to_the_routers_counters() -> None:
     metrics = Metrics()
     a, b = build_pool(PoolConfig(endpoints=("http://e1:8000", "http://e2:8000")), "both", 3, 30.0)
     metrics.observe_prompt_cache(a, {"prompt_tokens": 1000, "prompt_tokens_details": {"cached_tokens": 0}})
-    before = compare.parse_counters(metrics.render()[0])
+    before = scrape.parse_counters(metrics.render()[0])
     metrics.observe_prompt_cache(a, {"prompt_tokens": 1200, "prompt_tokens_details": {"cached_tokens": 900}})
     metrics.observe_prompt_cache(b, {"prompt_tokens": 800})  # an engine without caching reports no details
     metrics.affinity.inc(role="decode", backend=a.url, decision="session")
     metrics.affinity.inc(role="decode", backend=b.url, decision="imbalanced")
-    summary = compare.cache_summary(before, compare.parse_counters(metrics.render()[0]))
+    summary = scrape.cache_summary(before, scrape.parse_counters(metrics.render()[0]))
     assert (summary["prompt_tokens"], summary["cached_tokens"]) == (2000, 900) and summary["hit_rate"] == 0.45
     assert summary["affinity_decisions"] == {"session": 1, "imbalanced": 1}
     table = report.cache_table({"colocated-x2:cache": {"router_cache": summary}, "colocated": {}})
     assert "| colocated-x2:cache | 2000 | 900 | 45 % | imbalanced 1, session 1 |" in table and "| colocated | – | – | – | – |" in table
+
+
+def test_claude_code_profile_sends_its_system_prompt_and_tool_list_sizes() -> None:
+    """--agentic-profile claude-code: every request opens with a ~27k-character system prompt and 14 tools, whatever
+    --agentic-system-len / --agentic-tools said."""
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(["--dataset-name", "agentic", "--agentic-profile", "claude-code", "--agentic-tools", "2"])
+    assert serve.check_args(args) == []
+    workload = agentic.build_workload(serve.agentic_shape(args), np.random.default_rng(0))
+    assert len(workload.system) == 27000 and len(workload.tools) == 14
+    body = workload.payload("m", workload.sessions[0], 0)
+    assert body["messages"][0]["content"] == workload.system and len(body["tools"]) == 14

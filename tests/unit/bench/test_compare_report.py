@@ -1,4 +1,5 @@
-"""stack.bench.report and compare: the table, the charts and a whole compare run over two servers."""
+"""stack.bench.report, arms and compare: the table, the charts, the arms' compose changes and a whole compare run over
+two servers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from contextlib import contextmanager
 
 from aiohttp import web
 
-from stack.bench import compare, report, serve
+from stack.bench import arms, compare, report, serve
 from stack.bench.metrics import detailed_fields, outcome_from_chunks, summarize
 from stack.common.config import build
 from stack.engine.config import EngineConfig
@@ -39,13 +40,10 @@ def test_table_has_ratios_against_the_first_stack() -> None:
     assert rows["Failed"].endswith("| 1 | 1 | 1.00× |")
 
 
-def test_charts_are_png(tmp_path) -> None:
-    """The comparison and sweep charts are written as PNG files."""
+def test_comparison_chart_is_png(tmp_path) -> None:
+    """The latency CDF chart of one load point is written as PNG."""
     results = {"colocated": fake_result(0.2), "disaggregated": fake_result(0.1)}
     assert report.comparison_chart(results, tmp_path / "c.png").read_bytes().startswith(PNG_MAGIC)
-    sweep = {n: [fake_result(g, 1.0), fake_result(g, 2.0)] for n, g in (("colocated", 0.2), ("disaggregated", 0.1))}
-    assert report.sweep_chart(sweep, tmp_path / "s.png").read_bytes().startswith(PNG_MAGIC)
-    assert report.sweep_table(sweep).splitlines()[2].startswith("| 1.0 | 0.000 | 200.0")
 
 
 @contextmanager
@@ -68,8 +66,9 @@ def server_thread(plan: StreamPlan) -> Iterator[str]:
         loop.close()
 
 
-def test_compare_over_running_stacks_writes_table_chart_and_sweep(tmp_path) -> None:
-    """`compare --url … --sweep` against two servers: per-run JSON, compare.md/png and sweep.md/png."""
+def test_compare_over_running_stacks_sweeps_repeats_and_reports(tmp_path) -> None:
+    """`compare --url … --sweep --repeats 2` against two servers: every point of both repeats in alternating arm
+    order, the same prompts for both arms, per-run JSON, compare.md with median [min–max] tables and the charts."""
     slow, fast = StreamPlan(tokens=4, gap=0.02), StreamPlan(tokens=4, gap=0.005)
     with server_thread(slow) as slow_url, server_thread(fast) as fast_url:
         parser = argparse.ArgumentParser()
@@ -77,22 +76,25 @@ def test_compare_over_running_stacks_writes_table_chart_and_sweep(tmp_path) -> N
         args = parser.parse_args([
             "--url", f"colocated={slow_url}", "--url", f"disaggregated={fast_url}", "--num-prompts", "6",
             "--sweep", "20,40", "--synthetic-input-mean", "50", "--goodput", "tpot:1000", "--warmup", "1",
-            "--out", str(tmp_path), "--disable-tqdm",
+            "--repeats", "2", "--on-high-load", "flag", "--load-wait", "0", "--out", str(tmp_path), "--disable-tqdm",
         ])
         assert compare.main(args) == 0
-    assert len(slow.bodies) == len(fast.bodies) == 1 + 2 * 6  # warm-up + two sweep points
+    assert len(slow.bodies) == len(fast.bodies) == 2 * (2 + 2 * 6)  # per repeat: readiness, warm-up, two sweep points
     # Same seed: both stacks got the same prompts in the same order.
     assert [b["messages"] for b in slow.bodies] == [b["messages"] for b in fast.bodies]
     table = (tmp_path / "compare.md").read_text()
-    assert "| Metric | colocated | disaggregated | disaggregated / colocated |" in table
     assert "Hardware:" in table and "Goodput SLOs: tpot ≤ 1000 ms" in table
-    itl_ratio = next(line for line in table.splitlines() if line.startswith("| ITL median"))
-    assert float(itl_ratio.rsplit("|", 2)[1].strip(" ×")) < 1.0  # the fast server's gaps are shorter
-    for name in ("compare.png", "sweep.png"):
+    assert "Repeats: 2, arm order alternate: 1: colocated, disaggregated; 2: disaggregated, colocated" in table
+    assert "Common load for the P99s: 40 req/s" in table
+    row = next(line for line in table.splitlines() if line.startswith("| disaggregated | "))
+    assert row.count("[") == 5  # every figure as median [min–max]
+    itl = next(line for line in table.splitlines() if line.startswith("| ITL median"))
+    assert float(itl.rsplit("|", 2)[1].strip(" ×")) < 1.0  # the fast server's gaps are shorter
+    for name in ("compare.png", "load-numpy.png"):
         assert (tmp_path / name).read_bytes().startswith(PNG_MAGIC)
-    assert "| 20.0 |" in (tmp_path / "sweep.md").read_text()
-    assert {p.name for p in tmp_path.glob("*qps.json")} == {
-        "colocated-20.0qps.json", "colocated-40.0qps.json", "disaggregated-20.0qps.json", "disaggregated-40.0qps.json"}
+    assert len(list((tmp_path / "runs").glob("*.json"))) == 8
+    every = table.split("## Every run")[1]
+    assert every.count("| colocated |") == every.count("| disaggregated |") == 4
 
 
 def test_stack_specs_pin_the_same_cores() -> None:
@@ -100,10 +102,10 @@ def test_stack_specs_pin_the_same_cores() -> None:
     parser = argparse.ArgumentParser()
     compare.add_cli_args(parser)
     args = parser.parse_args(["--url", "disaggregated=http://h:1", "--api-key", "k"])
-    colocated, disaggregated = compare.stack_specs(args)
-    assert colocated.compose_file.name == "compose.colocated.yaml" and colocated.url is None
+    colocated, disaggregated = arms.build_arms(args)
+    assert [f.name for f in colocated.compose_files] == ["compose.colocated.yaml"] and colocated.url is None
     assert colocated.env["ENGINE_CPUS"] == "0,1" and colocated.env["PD_CHECKPOINT"] == "dummy:small"
-    assert (disaggregated.compose_file, disaggregated.url) == (None, "http://h:1")
+    assert (disaggregated.compose_files, disaggregated.url) == ((), "http://h:1")
     assert (disaggregated.env["PREFILL_CPUS"], disaggregated.env["DECODE_CPUS"]) == ("0", "1")
 
 
@@ -112,9 +114,9 @@ def test_engine_env_override_targets_engine_services() -> None:
     parser = argparse.ArgumentParser()
     compare.add_cli_args(parser)
     args = parser.parse_args(["--engine-env", "OPENBLAS_NUM_THREADS=1", "--api-key", "k"])
-    colocated, disaggregated = compare.stack_specs(args)
-    assert compare.engine_override(colocated) == {"services": {"engine": {"environment": {"OPENBLAS_NUM_THREADS": "1"}}}}
-    assert set(compare.engine_override(disaggregated)["services"]) == {"prefill", "decode"}
+    colocated, disaggregated = arms.build_arms(args)
+    assert arms.engine_override(colocated) == {"services": {"engine": {"environment": {"OPENBLAS_NUM_THREADS": "1"}}}}
+    assert set(arms.engine_override(disaggregated)["services"]) == {"prefill", "decode"}
 
 
 def test_colocated_chunked_prefill_mounts_a_generated_engine_config(tmp_path) -> None:
@@ -123,16 +125,16 @@ def test_colocated_chunked_prefill_mounts_a_generated_engine_config(tmp_path) ->
     compare.add_cli_args(parser)
     args = parser.parse_args(["--colocated-chunked-prefill", "--colocated-max-num-batched-tokens", "512",
                               "--api-key", "k", "--out", str(tmp_path)])
-    colocated, disaggregated = compare.stack_specs(args)
-    override = compare.engine_override(colocated)
+    colocated, disaggregated = arms.build_arms(args)
+    override = arms.engine_override(colocated)
     assert override == {"services": {"engine": {"volumes": [f"{tmp_path / 'colocated-engine'}:/config:ro"]}}}
     written = json.loads((tmp_path / "colocated-engine" / "config.json").read_text())
-    assert written == {**json.loads(compare.COLOCATED_CONFIG.read_text()), "chunked_prefill": True,
+    assert written == {**json.loads(arms.COLOCATED_CONFIG.read_text()), "chunked_prefill": True,
                        "max_num_batched_tokens": 512}
     # The engine itself accepts it, as role both with chunking on.
     engine = build(EngineConfig, written, "config.json")
     assert (engine.role, engine.chunked_prefill, engine.max_num_batched_tokens) == ("both", True, 512)
-    assert disaggregated.config_dir is None and compare.engine_override(disaggregated) == {}
+    assert disaggregated.config_dir is None and arms.engine_override(disaggregated) == {}
 
 
 def test_colocated_chunked_prefill_defaults_to_a_budget_below_the_prompt_size(tmp_path) -> None:
@@ -142,10 +144,10 @@ def test_colocated_chunked_prefill_defaults_to_a_budget_below_the_prompt_size(tm
     args = parser.parse_args(["--colocated-chunked-prefill", "--engine-env", "OPENBLAS_NUM_THREADS=1",
                               "--api-key", "k", "--out", str(tmp_path)])
     assert serve.check_args(args) == []  # as compare.main does first
-    colocated, _ = compare.stack_specs(args)
-    service = compare.engine_override(colocated)["services"]["engine"]
+    colocated, _ = arms.build_arms(args)
+    service = arms.engine_override(colocated)["services"]["engine"]
     assert service["environment"] == {"OPENBLAS_NUM_THREADS": "1"}  # both changes in the one override
     written = json.loads((colocated.config_dir / "config.json").read_text())
-    assert written["max_num_batched_tokens"] == compare.CHUNKED_PREFILL_BUDGET < 800
+    assert written["max_num_batched_tokens"] == arms.CHUNKED_PREFILL_BUDGET < 800
     assert written["chunked_prefill"] is True
-    assert "chunked_prefill=true, max_num_batched_tokens=256" in compare.conditions(args, [colocated], "cmd")
+    assert "chunked_prefill=true, max_num_batched_tokens=256" in compare.conditions(args, [colocated], "cmd", [["colocated"]])

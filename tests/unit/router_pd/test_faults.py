@@ -65,6 +65,27 @@ async def test_engine_400_is_passed_on_without_retry(fake, pd, logs):
     assert prefill.url in [b["url"] for b in client.health_snapshot()["backends"] if b["breaker"] == "closed"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_decode_refusing_what_prefill_accepted_is_a_502_not_the_clients_400(fake, pd, stream):
+    """Prefill and decode run the same parser, so a decode's 4xx after the prefill leg succeeded means the engines
+    disagree (max_model_len, tokenizer): the client gets a 502 naming the decode and what to compare, never a 400."""
+    prefill, decode = await fake("prefill"), await fake("decode", faults=Faults(http_400=1))
+    client = await pd([prefill], [decode])
+    with pytest.raises(UpstreamError) as caught:
+        await client.complete("r400d", "/v1/chat/completions", *typed(dict(CHAT, stream=stream)))
+    assert caught.value.status == 502 and caught.value.code == "decode_rejected_after_prefill"
+    assert decode.url in caught.value.message and "'n' > 1 is not supported" in caught.value.message
+    assert "max_model_len" in caught.value.message
+
+
+async def test_a_colocated_engines_400_stays_the_clients(fake, pd):
+    """Without a prefill leg the one engine's 400 is about the request itself: passed on as it is."""
+    both = await fake("both", faults=Faults(http_400=1))
+    client = await pd([both], [both])
+    with pytest.raises(InvalidRequest, match="'n' > 1 is not supported"):
+        await client.complete("r400c", "/v1/chat/completions", *typed(dict(CHAT)))
+
+
 async def test_decode_dying_mid_stream_is_an_error_after_the_first_chunk(fake, pd, logs):
     """A decode dying after 2 chunks: the caller got those chunks, then an UpstreamError (not a short success)."""
     prefill = await fake("prefill")
