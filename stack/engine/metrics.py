@@ -29,15 +29,10 @@ consumer; gauges are read at scrape time.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Iterable
+from typing import Protocol
 
 from stack.common.metrics import CONTENT_TYPE, Collector, Counter, GaugeSample, Histogram, render_gauges
-
-if TYPE_CHECKING:
-    from stack.engine.kv_consumer import KVConsumer
-    from stack.engine.scheduler import Scheduler
-    from stack.engine.sequence import Sequence
 
 # vLLM's buckets (loggers.py), so quantiles compare across both engines.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -46,6 +41,63 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # KV transfer (s): a few hundred µs for a tiny prompt on loopback up to seconds for long ones.
 KV_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+# What the metrics read, described here rather than imported: the scheduler, the prefix cache and the KV consumer
+# report to EngineMetrics, so importing their classes back made the engine's only import circle. Read-only
+# properties, so a class with plain attributes (list[int] for Collection[int]) matches.
+
+class TimedRequest(Protocol):
+    """A request's tokens and its time.perf_counter stamps (stack.engine.sequence.Sequence)."""
+
+    @property
+    def prompt(self) -> Collection[int]: ...
+    @property
+    def output(self) -> Collection[int]: ...
+    @property
+    def arrival(self) -> float: ...
+    @property
+    def prefill_started(self) -> float | None: ...
+    @property
+    def first_token_at(self) -> float: ...
+    @property
+    def last_token_at(self) -> float: ...
+
+
+class BlockPool(Protocol):
+    @property
+    def total_blocks(self) -> int: ...
+    @property
+    def free_blocks(self) -> int: ...
+
+
+class CachedBlocks(Protocol):
+    @property
+    def blocks(self) -> Collection[object]: ...
+
+
+class QueueView(Protocol):
+    """What a scrape reads from the engine's scheduler: its queues and its KV blocks."""
+
+    @property
+    def pool(self) -> BlockPool: ...
+    @property
+    def prefix(self) -> CachedBlocks: ...
+    @property
+    def running(self) -> Collection[object]: ...
+    @property
+    def waiting(self) -> Collection[object]: ...
+
+
+class ReceiveBuffer(Protocol):
+    """What a scrape reads from decode's KV consumer."""
+
+    @property
+    def buffer_used(self) -> int: ...
+    @property
+    def buffer_size(self) -> int: ...
+    @property
+    def held_transfers(self) -> int: ...
 
 
 class EngineMetrics:
@@ -97,13 +149,13 @@ class EngineMetrics:
         self.busy.inc(seconds)
         self.iteration_tokens.observe(prefill_tokens + decode_tokens)
 
-    def on_prefill_done(self, seq: Sequence, now: float) -> None:
+    def on_prefill_done(self, seq: TimedRequest, now: float) -> None:
         started = seq.prefill_started or seq.arrival
         self.prompt_tokens.inc(len(seq.prompt))
         self.queue.observe(started - seq.arrival)
         self.prefill.observe(now - started)
 
-    def on_token(self, seq: Sequence, now: float) -> None:
+    def on_token(self, seq: TimedRequest, now: float) -> None:
         """A token was appended to `seq` (before its first/last token times are updated)."""
         self.generation_tokens.inc()
         if len(seq.output) == 1:
@@ -112,7 +164,7 @@ class EngineMetrics:
             self.itl.observe(now - seq.last_token_at)
             self.itl_old.observe(now - seq.last_token_at)
 
-    def on_finish(self, seq: Sequence, reason: str, now: float) -> None:
+    def on_finish(self, seq: TimedRequest, reason: str, now: float) -> None:
         self.request_success.inc(finished_reason=reason)
         self.e2e.observe(now - seq.arrival)
         if len(seq.output) > 1:
@@ -145,7 +197,7 @@ class EngineMetrics:
 
     # -- scrape time -----------------------------------------------------------------------------
 
-    def watch(self, scheduler: Scheduler, consumer: KVConsumer | None) -> None:
+    def watch(self, scheduler: QueueView, consumer: ReceiveBuffer | None) -> None:
         """Read the queue, the KV pool and (decode) the receive buffer at every scrape."""
         c = self.const
 

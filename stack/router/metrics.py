@@ -23,24 +23,62 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from stack.common.config import ConfigError
 from stack.common.metrics import CONTENT_TYPE, Collector, Counter, GaugeSample, Histogram, render_gauges
-
-if TYPE_CHECKING:
-    from stack.router.backends import Backend
-    from stack.router.auth import Caller
-    from stack.router.limits import Limiter
-    from stack.router.usage import UsageStore
 
 __all__ = ["CONTENT_TYPE", "ITL_BUCKETS", "LATENCY_BUCKETS", "SLO", "Counter", "GaugeSample", "Histogram", "Metrics"]
 
 # Latency buckets (s): sub-ms relay overhead up to minutes-long CPU generations.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+# What the metrics read, described here rather than imported: the backends, keys, usage and limits report to
+# Metrics, so the metrics module depends on none of them (read-only properties: any class with those fields fits).
+
+class BackendRef(Protocol):
+    """A backend (stack.router.backends.Backend), named by its URL."""
+
+    @property
+    def url(self) -> str: ...
+
+
+class KeyLimits(Protocol):
+    @property
+    def token_quota(self) -> int: ...
+
+
+class Caller(Protocol):
+    """A key (stack.router.auth.Caller): its name and limits."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def limits(self) -> KeyLimits: ...
+
+
+class Totals(Protocol):
+    @property
+    def requests(self) -> int: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def completion_tokens(self) -> int: ...
+
+
+class UsageTotals(Protocol):
+    """A key's persistent totals (stack.router.usage.UsageStore)."""
+
+    def get(self, key_name: str, /) -> Totals: ...
+
+
+class InFlight(Protocol):
+    """Requests of a key in flight now (stack.router.limits.Limiter)."""
+
+    def in_flight(self, key_name: str, /) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -107,7 +145,7 @@ class Metrics:
         met = ttft_seconds <= self.slo.ttft_s and tpot <= self.slo.tpot_s
         self.slo_requests.inc(slo="met" if met else "missed")
 
-    def observe_prompt_cache(self, backend: Backend, usage: Any) -> None:
+    def observe_prompt_cache(self, backend: BackendRef, usage: Any) -> None:
         """Count an engine's usage for the backend that computed the prompt: hit rate = cached / prompt tokens."""
         if not isinstance(usage, dict) or not isinstance(usage.get("prompt_tokens"), int):
             return
@@ -121,7 +159,7 @@ class Metrics:
         self._gauge_help.update(help_)
         self._collectors.append(collector)
 
-    def add_key_gauges(self, callers: Callable[[], Iterable[Caller]], usage: UsageStore, limiter: Limiter) -> None:
+    def add_key_gauges(self, callers: Callable[[], Iterable[Caller]], usage: UsageTotals, limiter: InFlight) -> None:
         """Per-key usage (from the persistent totals, so it survives restarts), quota and requests in flight."""
         def collect() -> Iterable[GaugeSample]:
             for caller in callers():

@@ -62,6 +62,15 @@ def docker_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[st
     return subprocess.run(["docker", *args], capture_output=True, text=True, check=check, timeout=120)
 
 
+def remove_when_free(kind: str, name: str, deadline: float) -> None:
+    """`docker <kind> rm NAME` until it is gone: a volume or network stays in use until its containers are gone."""
+    while docker_cli(kind, "rm", name, check=False).returncode != 0 and time.monotonic() < deadline:
+        gone = docker_cli(kind, "inspect", name, check=False).stderr.lower()
+        if "no such" in gone or "not found" in gone:  # volumes say the one, networks the other
+            break
+        time.sleep(1)
+
+
 def health(stack: SwarmStack) -> dict[str, Any]:
     with urllib.request.urlopen(f"{stack.router_url}/health", timeout=5) as response:
         return json.load(response)
@@ -74,11 +83,16 @@ def swarm() -> Iterator[None]:
     if state != "inactive":
         pytest.skip(f"this Docker engine is already a swarm member ({state}) that this test did not create: not touching it")
     ensure_image()
+    # `swarm init` makes the docker_gwbridge network (it joins swarm containers to the host) and `swarm leave` keeps
+    # it: remove it afterwards, unless it was there before this test.
+    had_gwbridge = docker_cli("network", "inspect", "docker_gwbridge", check=False).returncode == 0
     docker_cli("swarm", "init", "--advertise-addr", "127.0.0.1")
     try:
         yield
     finally:
         docker_cli("swarm", "leave", "--force", check=False)
+        if not had_gwbridge:
+            remove_when_free("network", "docker_gwbridge", time.monotonic() + 60)
 
 
 @pytest.fixture(scope="module")
@@ -97,12 +111,9 @@ def stack(swarm: None) -> Iterator[SwarmStack]:
     finally:
         subprocess.run([str(REPO / "pd"), "swarm", "rm"], cwd=REPO, env={**os.environ, "PD_ENV_FILE": str(stack.env_file)},
                        capture_output=True, timeout=STEP_S)
-        deadline = time.monotonic() + 60  # a stack's volumes stay in use until its containers are gone
+        deadline = time.monotonic() + 60
         for volume in (f"{name}_checkpoints", f"{name}_router-data"):
-            while docker_cli("volume", "rm", volume, check=False).returncode != 0 and time.monotonic() < deadline:
-                if "no such volume" in docker_cli("volume", "inspect", volume, check=False).stderr.lower():
-                    break
-                time.sleep(1)
+            remove_when_free("volume", volume, deadline)
         stack.env_file.unlink(missing_ok=True)
 
 

@@ -12,10 +12,12 @@ from tests.unit.router_pd.conftest import EngineProcess, wait_for_state, typed
 CHAT = {"model": "your-model-id", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
 
 
-async def test_prefills_of_another_version_are_never_paired_and_decode_serves_alone_meanwhile(tmp_path, pd, logs):
+async def test_prefills_of_another_version_are_never_paired_and_decode_serves_alone_meanwhile(tmp_path, pd, logs, request):
     """Prefill v1 and v2 beside decode v1: every prefill leg goes to v1. With v1 gone, decode v1 answers by itself
     (router.model_version_split), and prefill v2 never pushes KV it could not use."""
     old, new, decode = (EngineProcess(role, tmp_path) for role in ("prefill", "prefill", "decode"))
+    for engine in (old, new, decode):
+        request.addfinalizer(engine.stop)  # all three, also when an assertion fails: none may outlive the test
     config = json.loads(new.config_path.read_text())
     new.config_path.write_text(json.dumps({**config, "seed": 1}))  # the next model version
     for engine in (old, new, decode):
