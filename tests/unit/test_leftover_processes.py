@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 
 from tests.conftest import SESSION_ENV, service_processes
 
@@ -15,11 +16,20 @@ def _stopped(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(10)
 
 
+def _until_found(pid: int, ancestor: int) -> dict[int, str]:
+    """The services found once `pid` shows up: after a fork and before its exec, /proc shows the parent's command
+    line (the bound only catches a child that never execs)."""
+    deadline = time.monotonic() + 10
+    while pid not in (found := service_processes(os.environ[SESSION_ENV], ancestor)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return found
+
+
 def test_a_service_this_session_started_is_found_until_it_stops() -> None:
     """A child carrying the session's mark is found; once it has exited it is not."""
     proc = subprocess.Popen(SLEEPER)
     try:
-        found = service_processes(os.environ[SESSION_ENV], os.getpid())
+        found = _until_found(proc.pid, ancestor=os.getpid())
         assert proc.pid in found and "-m stack.engine" in found[proc.pid]
     finally:
         _stopped(proc)
@@ -34,7 +44,7 @@ def test_an_orphan_is_found_by_its_mark_and_another_sessions_service_is_not() ->
     foreign = int(subprocess.run(["sh", "-c", shell, "sh", *SLEEPER], capture_output=True, check=True,
                                  env={**os.environ, SESSION_ENV: "another-session"}).stdout)
     try:
-        found = service_processes(os.environ[SESSION_ENV], ancestor=-1)  # by the mark alone: the shell is gone
+        found = _until_found(orphan, ancestor=-1)  # by the mark alone: the shell is gone
         assert orphan in found and foreign not in found
     finally:
         for pid in (orphan, foreign):
