@@ -1,6 +1,6 @@
 """Train the dummy models' byte-level BPE tokenizer (stack/engine/data/dummy_bpe.json).
 
-    python scripts/train_dummy_tokenizer.py [--vocab 24576] [--out stack/engine/data/dummy_bpe.json]
+    python scripts/train_dummy_tokenizer.py [--vocab 16384] [--out stack/engine/data/dummy_bpe.json]
 
 The corpus is text every Python 3.11 install ships, so this runs offline and anywhere: the language
 reference and library topics (English prose, `pydoc_data/topics.py`), the standard library's own
@@ -88,7 +88,7 @@ def tool_schemas() -> Iterator[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--vocab", type=int, default=24576)
+    ap.add_argument("--vocab", type=int, default=16384)
     ap.add_argument("--out", type=Path, default=DUMMY_BPE_PATH)
     a = ap.parse_args()
     os.environ["RAYON_NUM_THREADS"] = "1"  # one thread: merge ties resolve in one order

@@ -25,7 +25,7 @@ DUMMY_CONFIGS = {
     # fast enough for unit tests
     "tiny": ModelConfig(vocab_size=_DUMMY_VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                         hidden_dim=192, max_seq_len=512),
-    # ~50M parameters (25M of them the 24,582-row embedding and lm_head). 64k context: a coding agent's
+    # ~42M parameters (17M of them the 16,390-row embedding and lm_head). 64k context: a coding agent's
     # long session fits (16 KiB of float32 KV per token: 1 GiB for a full window; docs/long-prompts.md)
     "small": ModelConfig(vocab_size=_DUMMY_VOCAB, dim=512, n_layers=8, n_heads=8, n_kv_heads=4,
                          hidden_dim=1536, max_seq_len=65536),

@@ -1,7 +1,7 @@
 """Tokenizers: the dummy models' byte-level BPE, a plain byte one, Hugging Face `tokenizer.json` for checkpoints.
 
 The dummy models (`dummy:tiny`, `dummy:small`) count tokens like a real model: a byte-level BPE of
-24,576 tokens trained on the Python standard library's docs, source and tool schemas
+16,384 tokens (+6 tool tags) trained on the Python standard library's docs, source and tool schemas
 (scripts/train_dummy_tokenizer.py writes data/dummy_bpe.json), about 4 characters a token on a
 coding agent's English and JSON, where one byte a token would put a 27k-character system prompt and
 its tools over any window. All expose the same small interface (`encode`, `decode`, `bos_id`, `eos_id`, `stop_ids`,

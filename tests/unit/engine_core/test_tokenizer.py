@@ -95,7 +95,7 @@ def test_chat_template_errors_are_typed(tmp_path: Path) -> None:
 
 
 def test_dummy_bpe_counts_agent_text_like_a_real_model() -> None:
-    """A coding agent's system prompt and JSON tool list: 3.5-4.5 characters a token (measured 4.29; was 1 byte a
+    """A coding agent's system prompt and JSON tool list: 3.5-4.5 characters a token (measured 4.19; was 1 byte a
     token), as a real model's BPE counts it, so Claude-Code-sized requests fit the window."""
     from .agent_prompt import agent_text
 
