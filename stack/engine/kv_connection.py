@@ -11,23 +11,48 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from stack.common import events
 from stack.common.logging import log_event
 from stack.engine import kv_wire
-from stack.engine.kv_wire import KVHeader, Reply, WireError
+from stack.engine.kv_wire import KVHeader, KVTrailer, Reply, WireError
 
-if TYPE_CHECKING:
-    from stack.engine.kv_consumer import KVConsumer, Reservation
+
+class Reservation(Protocol):
+    """What this connection reads of an admitted transfer (kv_consumer.Reservation)."""
+
+    header: KVHeader
+    nbytes: int  # payload bytes
+
+    @property
+    def tokens(self) -> int: ...
+
+
+class Arrays(Protocol):
+    k: np.ndarray
+    v: np.ndarray
+
+
+class Consumer(Protocol):
+    """The side that owns admission, receive arrays and leases (kv_consumer.KVConsumer); told, not imported, so the two
+    modules form no import circle."""
+
+    lease_ms: int
+
+    def admit(self, header: KVHeader, peer: str) -> tuple[Reply, Reservation | None]: ...
+    def receive_arrays(self, res: Reservation) -> Arrays: ...
+    def complete(self, res: Reservation, trailer: KVTrailer, peer: str, receive_s: float, actual: list[str]) -> Reply: ...
+    def abort_inflight(self, res: Reservation, received_bytes: int, peer: str) -> None: ...
+    def protocol_error(self, peer: str, error: str) -> Reply: ...
 
 
 class KVConnection(asyncio.BufferedProtocol):
     """One incoming transfer, from its first byte to the ack (or to its abort)."""
 
-    def __init__(self, consumer: KVConsumer) -> None:
+    def __init__(self, consumer: Consumer) -> None:
         self.consumer = consumer
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
@@ -126,7 +151,7 @@ class KVConnection(asyncio.BufferedProtocol):
 
     def _on_trailer(self) -> None:
         assert self.res is not None, "trailer without header"
-        trailer = kv_wire.KVTrailer.decode(bytes(self.raw), self.res.header.n_layers)
+        trailer = KVTrailer.decode(bytes(self.raw), self.res.header.n_layers)
         self.done = True
         receive_s = time.perf_counter() - self.payload_started
         self._finish(self.consumer.complete(self.res, trailer, self.peer, receive_s, self.checksums))
