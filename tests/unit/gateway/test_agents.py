@@ -196,7 +196,7 @@ async def test_openai_agents_sdk_runs_its_tool_loop(oai) -> None:
 
     agent = Agent(name="coder", instructions="You are a coding agent.", tools=[list_files], output_type=Done,
                   model=OpenAIResponsesModel(model=MODEL, openai_client=oai),
-                  model_settings=ModelSettings(tool_choice="required", max_tokens=64, temperature=0))
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=64, temperature=0))
     result = await Runner.run(agent, "List the files.", max_turns=3, run_config=RunConfig(tracing_disabled=True))
     assert ran == [True]
     kinds = [item.type for item in result.new_items]
