@@ -9,7 +9,6 @@ contract are ignored, as vLLM does.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, fields
 from typing import Any
@@ -85,16 +84,6 @@ class CompletionRequest:
     n: int = 1  # choices, each its own sequence and seed stream
     tools: tuple[Tool, ...] = ()  # tool calls are parsed from the output (tool_parser.py) when set
     forced_tool: bool = False  # tool_choice required / named: the output is constrained to tool calls
-
-
-def parse_json(body: bytes) -> dict[str, Any]:
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise InvalidRequest(f"request body must be a JSON object, got {type(data).__name__}", code="invalid_type")
-    return data
 
 
 def parse_request(kind: Kind, data: dict[str, Any], *, model_id: str, tokenizer: Tokenizer, max_model_len: int) -> CompletionRequest:

@@ -30,6 +30,7 @@ from stack.engine.errors import CacheCapacityError, KVTransferError
 from stack.engine.handoff import KVHandoff, pd_leg
 from stack.engine.kv_cache import KVPool
 from stack.engine.metrics import EngineMetrics
+from stack.protocol.body import decode_body
 from stack.engine.model import Model
 from stack.engine.protocol import CompletionRequest, Kind, ResponseIds
 from stack.engine.choices import Choice
@@ -117,7 +118,7 @@ async def models(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     """POST /tokenize (vLLM's): the prompt's token ids and count, as a completion would see them."""
     engine = request.app[ENGINE]
-    data = protocol.parse_json(await request.read())
+    data = decode_body(await request.read())
     tokens = protocol.parse_tokenize(data, model_id=engine.config.model, tokenizer=engine.model.tokenizer)
     return web.json_response({"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens, "token_strs": None})
 
@@ -125,7 +126,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     """POST /detokenize (vLLM's: vllm/entrypoints/openai/protocol.py `DetokenizeRequest` -> `DetokenizeResponse` {prompt})."""
     engine = request.app[ENGINE]
-    data = protocol.parse_json(await request.read())
+    data = decode_body(await request.read())
     tokens = protocol.parse_detokenize(data, model_id=engine.config.model, tokenizer=engine.model.tokenizer)
     return web.json_response({"prompt": engine.model.tokenizer.decode(tokens)})
 
@@ -165,7 +166,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     engine = request.app[ENGINE]
     request_id = request[REQUEST_ID]
     request[_ARRIVED] = time.monotonic()
-    data = protocol.parse_json(await request.read())
+    data = decode_body(await request.read())
     req = protocol.parse_request(kind, data, model_id=engine.config.model, tokenizer=engine.model.tokenizer,
                                  max_model_len=engine.max_model_len)
     kv, leg = req.kv_transfer, pd_leg(req)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Protocol, TypeVar
 
@@ -18,8 +17,8 @@ from aiohttp import web
 from stack.common import events, sse
 from stack.common.errors import REQUEST_ID, REQUEST_ID_HEADER, APIError, InvalidRequest, NotFound, PayloadTooLarge
 from stack.common.logging import log_event
+from stack.protocol.body import decode_body
 from stack.protocol.capabilities import VLLM_EXTRAS, Capabilities, fit
-from stack.protocol.fields import check_unicode, json_type
 from stack.protocol.serialise import to_body
 from stack.protocol.types import Request
 from stack.router.appkeys import CONFIG, PD, STREAM_ERROR, TOKENS
@@ -37,20 +36,7 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(f"Request body exceeds {limit} bytes, the most this router accepts.", code="request_too_large") from None
-    if not raw.strip():
-        raise InvalidRequest("Request body is empty; send a JSON object.", code="invalid_json")
-    try:
-        body = json.loads(raw)
-    except UnicodeDecodeError:
-        raise InvalidRequest("Request body is not valid UTF-8 JSON.", code="invalid_json") from None
-    except json.JSONDecodeError as exc:
-        raise InvalidRequest(f"Request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}.",
-                             code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest(f"Request body must be a JSON object, got a JSON {json_type(body)}.", code="invalid_json")
-    if b"\\u" in raw:  # only a \uXXXX escape can carry a lone surrogate (raw UTF-8 cannot): walk only then
-        check_unicode(body)
-    return body
+    return decode_body(raw)
 
 
 def resolve_model(request: web.Request, model: str) -> str:

@@ -109,7 +109,7 @@ async def test_stop_string_ends_the_completion_before_it(engine_client) -> None:
 
 BAD_REQUESTS = [
     (b"{not json", 400, "invalid_json", None),
-    (b"[1, 2]", 400, "invalid_type", None),
+    (b"[1, 2]", 400, "invalid_json", None),
     ({"model": "tiny"}, 400, "missing_required_parameter", "messages"),
     ({"model": "tiny", "messages": []}, 400, "invalid_value", "messages"),
     ({"model": "tiny", "messages": "hello"}, 400, "invalid_type", "messages"),
