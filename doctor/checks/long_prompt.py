@@ -32,8 +32,16 @@ def _rids(records: list[Record]) -> list[str]:
     return [r.request_id for r in records]
 
 
+def _prefilled(ctx: Context, record: Record) -> bool:
+    """A decode that refused what the prefill already computed: the engines' windows disagree (config.*), the prompt
+    itself fit the first engine."""
+    timeline = ctx.timeline(record.request_id) if record.service == "decode" else None
+    return bool(timeline) and any(r.event == events.ROUTER_PREFILL_DONE for r in timeline.records)
+
+
 def _context_exceeded(ctx: Context) -> list[Finding]:
-    refused = [r for r in ctx.by_event(events.HTTP_BAD_REQUEST) if r[events.CODE] == "context_length_exceeded"]
+    refused = [r for r in ctx.by_event(events.HTTP_BAD_REQUEST)
+               if r[events.CODE] == "context_length_exceeded" and not _prefilled(ctx, r)]
     if not refused:
         return []
     counts = [m.groups() for r in refused if (m := _WINDOW.search(r.line))]

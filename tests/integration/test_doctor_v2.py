@@ -192,7 +192,7 @@ def test_pd_config_mismatch_names_key_values_and_files(stack: Stack, home, decod
     """decode max_model_len 64 < prefill's 512: prefill serves, decode refuses (WARNING) → config.max_model_len_mismatch
     with both values and both files, evidence from router, prefill and decode; no choices.decode_failed."""
     rid = new_id("maxlen")
-    status, _ = _post(f"{stack.base_url}/chat/completions", {"model": MODEL, "messages": PROMPT, "max_tokens": 48},
+    status, _ = _post(f"{stack.base_url}/chat/completions", {"model": MODEL, "messages": PROMPT, "max_tokens": 60},
                       stack.api_key, rid)
     assert status >= 400
     wait_logged(stack, "router", "router.request_done", rid)
