@@ -1,7 +1,7 @@
 """Benchmark prompts: ShareGPT files, vLLM's `random` set, and a synthetic ShareGPT-like set.
 
-Lengths are in tokens of a `TokenCounter`: the Hugging Face tokenizer given with `--tokenizer`,
-else UTF-8 bytes, which is what the engine's byte-level tokenizer (the dummy models) counts.
+Lengths are in tokens of a `TokenCounter`: the Hugging Face tokenizer given with `--tokenizer`, else the dummy
+models' BPE (`dummy_count`, what the default stack counts); `byte_count` (UTF-8 bytes, exact lengths) serves tests.
 Every sampler takes a seeded `numpy.random.Generator`, so the same seed gives the same prompts.
 """
 
@@ -47,6 +47,13 @@ class DatasetError(ValueError):
 def byte_count(text: str) -> int:
     """Tokens of the engine's byte-level tokenizer: one per UTF-8 byte (specials excluded)."""
     return len(text.encode("utf-8"))
+
+
+def dummy_count(text: str) -> int:
+    """Tokens of the dummy models' byte-level BPE (specials excluded): what the stacks' default engine counts."""
+    from stack.engine.tokenizer import dummy_tokenizer  # only needed when no --tokenizer is given
+
+    return len(dummy_tokenizer().encode(text, add_special_tokens=False))
 
 
 def hf_counter(tokenizer_path: str) -> TokenCounter:

@@ -48,7 +48,7 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of gaps: 1 = Poisson, <1 burstier")
     parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     parser.add_argument("--seed", type=int, default=0, help="seed for prompts and arrival times")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer.json to count tokens (default: bytes)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer.json to count tokens (default: the dummy models' BPE, as the default stack counts)")
     parser.add_argument("--random-input-len", type=int, default=1024)
     parser.add_argument("--random-output-len", type=int, default=128)
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
@@ -131,9 +131,13 @@ def agentic_shape(args: argparse.Namespace) -> agentic.AgenticShape:
     return agentic.AgenticShape(**{name: getattr(args, f"agentic_{name}") for name in agentic.AgenticShape.__dataclass_fields__})
 
 
+def token_counter(args: argparse.Namespace) -> dataset.TokenCounter:
+    return dataset.hf_counter(args.tokenizer) if args.tokenizer else dataset.dummy_count
+
+
 def sample_requests(args: argparse.Namespace, rng: np.random.Generator) -> list[dataset.SampleRequest]:
     assert args.dataset_name != "agentic", "agentic sessions are built by agentic.build_workload"
-    count = dataset.hf_counter(args.tokenizer) if args.tokenizer else dataset.byte_count
+    count = token_counter(args)
     if args.dataset_name == "sharegpt":
         return dataset.load_sharegpt(args.dataset_path, args.num_prompts, rng, count, args.sharegpt_output_len)
     if args.dataset_name == "random":
@@ -183,7 +187,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = args.model or await first_model(session, base_url, headers)
         if args.dataset_name == "agentic":
-            workload = agentic.build_workload(agentic_shape(args), np.random.default_rng(args.seed))
+            workload = agentic.build_workload(agentic_shape(args), np.random.default_rng(args.seed), token_counter(args))
             print(f"Agentic sessions: {len(workload.sessions)} × {args.agentic_turns} turns (closed loop)")
             progress = Progress(workload.requests, stream=None if args.disable_tqdm else sys.stderr)
             outcomes, duration = await agentic.run_sessions(session, base_url + CHAT, workload, model, headers, progress)
@@ -207,7 +211,7 @@ def _result(args: argparse.Namespace, model: str, outcomes: list, duration: floa
         "backend": "openai-chat" if args.endpoint == CHAT else "openai",
         "label": args.label,
         "model_id": model,
-        "tokenizer_id": args.tokenizer or "bytes",
+        "tokenizer_id": args.tokenizer or "dummy-bpe",
         "num_prompts": args.num_prompts,
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
         "burstiness": args.burstiness,
