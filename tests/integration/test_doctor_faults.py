@@ -85,9 +85,10 @@ def test_unset_key_variable(stack: Stack, home):
 
 
 def test_decode_fails_after_a_successful_prefill(stack: Stack, home, tmp_path):
-    """decode refuses (KV pool of 32 tokens) after prefill pushed the KV → choices.decode_failed, router + decode."""
+    """decode refuses (KV pool of 32 tokens) after prefill pushed the KV → choices.decode_failed, router + decode.
+    The prompt (~15 tokens) fits the pool, so decode takes the KV; prompt + max_tokens cannot."""
     rid = new_id("decodefail")
-    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 8}
+    body = {"model": MODEL, "messages": PROMPT, "max_tokens": 24}
     request = urllib.request.Request(f"{stack.base_url}/chat/completions", data=json.dumps(body).encode(), headers={
         "Authorization": f"Bearer {stack.api_key}", "Content-Type": "application/json", "X-Request-ID": rid})
     with scenario(stack, "doctor_decode_fail", "decode"):
@@ -134,11 +135,12 @@ def test_kv_port_mismatch(stack: Stack, home):
 
 
 def test_tiny_kv_buffer_with_a_long_prompt(stack: Stack, home):
-    """kv_buffer_size 100000: a short prompt passes, a ~400-token prompt is refused → kv.buffer_too_small."""
+    """kv_buffer_size 100000 (~195 tokens of dummy:tiny's KV): a short prompt passes, a ~300-token prompt is refused
+    → kv.buffer_too_small."""
     short, long_ = new_id("kvshort"), new_id("kvlong")
     with scenario(stack, "doctor_kv_buffer", "decode"):
         _chat(stack, short, content="hi")
-        _chat_fails(stack, long_, content="prefill and decode " * 22)
+        _chat_fails(stack, long_, content="prefill and decode " * 100)
         wait_logged(stack, "router", "router.request_done", long_)
         code, doc = diagnose(stack, home, "--since", "2m")
     assert code == 1
