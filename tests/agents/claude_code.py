@@ -70,10 +70,12 @@ class Run:
 
 
 def run_claude(binary: Path, prompt: str, base_url: str, key: str, workdir: Path, *, model: str | None = None,
-               resume: bool = False, timeout_s: float = 900) -> Run:
+               resume: bool = False, stdin: str = "", timeout_s: float = 900) -> Run:
     """`claude -p PROMPT --output-format stream-json --verbose` (with `--continue` when `resume`) in `workdir`, whose
     `home/` is the CLI's HOME (the same for both turns of a session, as a user's would be). `model`: what
-    ANTHROPIC_MODEL (and the small/fast model) name; None leaves the CLI's own claude-* defaults."""
+    ANTHROPIC_MODEL (and the small/fast model) name; None leaves the CLI's own claude-* defaults. `stdin`: text piped
+    to the CLI, which puts it before PROMPT (`cat doc | claude -p "…"`): one argv string is limited to 128 KiB.
+    `timeout_s` bounds the run, and each of its requests (API_TIMEOUT_MS)."""
     home = workdir / "home"
     project = workdir / "project"
     home.mkdir(parents=True, exist_ok=True)
@@ -82,14 +84,17 @@ def run_claude(binary: Path, prompt: str, base_url: str, key: str, workdir: Path
            "ANTHROPIC_API_KEY": key, "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_OUTPUT_TOKENS), **QUIET,
            # A failed request fails the turn at once: the tests assert every request is a 200, and the CLI's own
            # retries (10, with backoff) would only hide the failure behind minutes of resent long prompts.
-           "CLAUDE_CODE_MAX_RETRIES": "0"}
+           "CLAUDE_CODE_MAX_RETRIES": "0",
+           # The CLI's own bound on one request (10 min unless set) would cut a cold long prefill on CPU (a
+           # 60k-token prompt takes minutes): a request may take as long as the run.
+           "API_TIMEOUT_MS": str(round(timeout_s * 1000))}
     if model is not None:
         # ANTHROPIC_SMALL_FAST_MODEL is the older name of ANTHROPIC_DEFAULT_HAIKU_MODEL; the CLI reads either.
         env |= {"ANTHROPIC_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model}
     trace = workdir / f"connects-{len(list(workdir.glob('connects-*')))}.txt"
     argv = ["strace", "-f", "-qq", "-e", "trace=connect", "-e", "signal=none", "-o", str(trace),
             str(binary), "-p", prompt, *(["--continue"] if resume else []), "--output-format", "stream-json", "--verbose"]
-    done = subprocess.run(argv, cwd=project, env=env, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    done = subprocess.run(argv, cwd=project, env=env, capture_output=True, text=True, timeout=timeout_s, input=stdin)
     messages = []
     for line in done.stdout.splitlines():
         try:
