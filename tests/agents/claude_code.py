@@ -31,6 +31,7 @@ MAX_OUTPUT_TOKENS = 32  # per answer: random weights would otherwise write until
 # Claude Code's own switches for traffic that is not the model API (its docs' "Environment variables" table).
 QUIET = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1",
          "DISABLE_ERROR_REPORTING": "1"}
+STREAM_IDLE_MAX_MS = 1_800_000  # the most CLAUDE_STREAM_IDLE_TIMEOUT_MS allows (values up to its 300,000 default are ignored)
 SECRET_HEADERS = {"x-api-key", "authorization"}
 VARYING_HEADERS = {"x-claude-code-session-id", "host", "content-length"}  # per session / per run: recorded by name only
 _PLAIN = re.compile(r"[A-Za-z0-9_.:/+-]{0,40}")  # identifiers, types, enum values: kept in a skeleton as they are
@@ -74,7 +75,7 @@ def run_claude(binary: Path, prompt: str, base_url: str, key: str, workdir: Path
     """`claude -p PROMPT --output-format stream-json --verbose` (with `--continue` when `resume`) in `workdir`, whose
     `home/` is the CLI's HOME (the same for both turns of a session, as a user's would be). `model`: what
     ANTHROPIC_MODEL (and the small/fast model) name; None leaves the CLI's own claude-* defaults. `stdin`: text piped
-    to the CLI, which puts it before PROMPT (`cat doc | claude -p "…"`): one argv string is limited to 128 KiB.
+    to the CLI, which appends it to PROMPT (`cat doc | claude -p "…"`): one argv string is limited to 128 KiB.
     `timeout_s` bounds the run, and each of its requests (API_TIMEOUT_MS)."""
     home = workdir / "home"
     project = workdir / "project"
@@ -85,9 +86,11 @@ def run_claude(binary: Path, prompt: str, base_url: str, key: str, workdir: Path
            # A failed request fails the turn at once: the tests assert every request is a 200, and the CLI's own
            # retries (10, with backoff) would only hide the failure behind minutes of resent long prompts.
            "CLAUDE_CODE_MAX_RETRIES": "0",
-           # The CLI's own bound on one request (10 min unless set) would cut a cold long prefill on CPU (a
-           # 60k-token prompt takes minutes): a request may take as long as the run.
-           "API_TIMEOUT_MS": str(round(timeout_s * 1000))}
+           # The CLI's own bounds on one request would cut a cold long prefill on CPU (a 60k-token prompt takes
+           # minutes, silent until its first token): the whole request (10 min unless set) may take as long as the
+           # run, and the silence before its first byte (5 min unless set) as long as the CLI allows (30 min).
+           "API_TIMEOUT_MS": str(round(timeout_s * 1000)),
+           "CLAUDE_STREAM_IDLE_TIMEOUT_MS": str(min(round(timeout_s * 1000), STREAM_IDLE_MAX_MS))}
     if model is not None:
         # ANTHROPIC_SMALL_FAST_MODEL is the older name of ANTHROPIC_DEFAULT_HAIKU_MODEL; the CLI reads either.
         env |= {"ANTHROPIC_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model}

@@ -40,8 +40,8 @@ MODEL_ID = "your-model-id"  # router/settings.toml's model_id
 ROUTES = {"model-id": MODEL_ID, "claude-alias": None}  # None: the CLI's own claude-* model names
 PROMPTS = ("Reply with one word: ready?", "And one more word, please.")
 WINDOW = 65_536  # dummy:small's max_seq_len
-DOCUMENT_TOKENS = 46_000  # + the CLI's ~12k tokens of system prompt and tools: a first request of ~58k tokens
-LONG_TIMEOUT_S = 3600  # a hang guard for the cold ~58k-token prefill on a loaded 2-core box, not an expectation
+DOCUMENT_TOKENS = 46_000  # + the CLI's ~14k tokens of system prompt, environment block and tools: a ~60k-token request
+LONG_TIMEOUT_S = 3600  # a hang guard for the cold ~60k-token prefill on a loaded 2-core box, not an expectation
 
 
 def _decisions(stack: Stack) -> Counter[tuple[str, str]]:
@@ -139,11 +139,11 @@ def _through_pd(stack: Stack, request_id: str, prompt_tokens: int) -> None:
 
 
 def test_a_claude_code_session_with_a_60k_token_history(agents_stack: Stack, claude_binary: Path, tmp_path: Path) -> None:
-    """A first turn whose request is ~58k tokens (inside the 65,536-token window) completes through prefill → KV push
+    """A first turn whose request is ~60k tokens (inside the 65,536-token window) completes through prefill → KV push
     → decode over 200s only, within the CLI's raised request timeout; the second turn (--continue) resends that
     history and reads nearly all of it from the prefix cache."""
     document = long_prompt(DOCUMENT_TOKENS, dummy_tokenizer())
-    prompt = "Reply with one word: what is the document above about?"
+    prompt = "Reply with one word: what is the document below about?"
     first, first_lines, _ = _turn(agents_stack, claude_binary, tmp_path, prompt, MODEL_ID, resume=False,
                                   stdin=document, timeout_s=LONG_TIMEOUT_S)
     print("agents-turn", json.dumps({"route": "model-id", "history": "60k", "turn": 1, **_figures(first, first_lines)}))
