@@ -31,6 +31,8 @@ MAX_OUTPUT_TOKENS = 32  # per answer: random weights would otherwise write until
 # Claude Code's own switches for traffic that is not the model API (its docs' "Environment variables" table).
 QUIET = {"CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1",
          "DISABLE_ERROR_REPORTING": "1"}
+API_TIMEOUT_DEFAULT_MS = 600_000  # the CLI's bound on one request unless API_TIMEOUT_MS says otherwise
+STREAM_IDLE_MAX_MS = 1_800_000  # the most CLAUDE_STREAM_IDLE_TIMEOUT_MS allows (5 min unless set)
 SECRET_HEADERS = {"x-api-key", "authorization"}
 VARYING_HEADERS = {"x-claude-code-session-id", "host", "content-length"}  # per session / per run: recorded by name only
 _PLAIN = re.compile(r"[A-Za-z0-9_.:/+-]{0,40}")  # identifiers, types, enum values: kept in a skeleton as they are
@@ -70,10 +72,12 @@ class Run:
 
 
 def run_claude(binary: Path, prompt: str, base_url: str, key: str, workdir: Path, *, model: str | None = None,
-               resume: bool = False, timeout_s: float = 900) -> Run:
+               resume: bool = False, stdin: str = "", timeout_s: float = 900) -> Run:
     """`claude -p PROMPT --output-format stream-json --verbose` (with `--continue` when `resume`) in `workdir`, whose
     `home/` is the CLI's HOME (the same for both turns of a session, as a user's would be). `model`: what
-    ANTHROPIC_MODEL (and the small/fast model) name; None leaves the CLI's own claude-* defaults."""
+    ANTHROPIC_MODEL (and the small/fast model) name; None leaves the CLI's own claude-* defaults. `stdin`: text piped
+    to the CLI, which appends it to PROMPT (`cat doc | claude -p "…"`): one argv string is limited to 128 KiB.
+    `timeout_s` bounds the run, and each of its requests when longer than the CLI's own 10 min (API_TIMEOUT_MS)."""
     home = workdir / "home"
     project = workdir / "project"
     home.mkdir(parents=True, exist_ok=True)
@@ -83,13 +87,20 @@ def run_claude(binary: Path, prompt: str, base_url: str, key: str, workdir: Path
            # A failed request fails the turn at once: the tests assert every request is a 200, and the CLI's own
            # retries (10, with backoff) would only hide the failure behind minutes of resent long prompts.
            "CLAUDE_CODE_MAX_RETRIES": "0"}
+    if timeout_s * 1000 > API_TIMEOUT_DEFAULT_MS:
+        # The CLI's own bounds on one request would cut a cold long prefill on CPU (a 60k-token prompt takes
+        # minutes, silent until its first token): the whole request may take as long as the run, and the silence
+        # before its first byte as long as the CLI allows. Raised only: the CLI sends its timeout as a header
+        # (x-stainless-timeout) that the recorded shape holds.
+        env |= {"API_TIMEOUT_MS": str(round(timeout_s * 1000)),
+                "CLAUDE_STREAM_IDLE_TIMEOUT_MS": str(min(round(timeout_s * 1000), STREAM_IDLE_MAX_MS))}
     if model is not None:
         # ANTHROPIC_SMALL_FAST_MODEL is the older name of ANTHROPIC_DEFAULT_HAIKU_MODEL; the CLI reads either.
         env |= {"ANTHROPIC_MODEL": model, "ANTHROPIC_SMALL_FAST_MODEL": model, "ANTHROPIC_DEFAULT_HAIKU_MODEL": model}
     trace = workdir / f"connects-{len(list(workdir.glob('connects-*')))}.txt"
     argv = ["strace", "-f", "-qq", "-e", "trace=connect", "-e", "signal=none", "-o", str(trace),
             str(binary), "-p", prompt, *(["--continue"] if resume else []), "--output-format", "stream-json", "--verbose"]
-    done = subprocess.run(argv, cwd=project, env=env, capture_output=True, text=True, timeout=timeout_s, stdin=subprocess.DEVNULL)
+    done = subprocess.run(argv, cwd=project, env=env, capture_output=True, text=True, timeout=timeout_s, input=stdin)
     messages = []
     for line in done.stdout.splitlines():
         try:

@@ -11,6 +11,11 @@ the first one's prompt, so it must report cache reads (the engines' prefix cache
 and be routed by the CLI's X-Claude-Code-Session-Id header: the router's cache_aware decisions for it are all
 "session" (pd_router_affinity_decisions_total, /metrics). Each turn prints its figures (`agents-turn`: prompt tokens,
 TTFT, cached tokens, the status of every request) for whoever reads the run (-s).
+
+A third test gives one session (route a) a ~60k-token history: its first prompt pipes a long document on stdin, so
+the CLI's first request (its own system prompt and tools, then the document) is a cold prefill of most of the
+65,536-token window, pushed to decode; the second turn reads that history from the prefix cache. On two busy cores
+that prefill takes minutes (docs/long-prompts.md): the runs get LONG_TIMEOUT_S, as the CLI's requests do.
 """
 
 from __future__ import annotations
@@ -25,13 +30,18 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from stack.engine.tokenizer import dummy_tokenizer
 from tests.agents.claude_code import MAX_OUTPUT_TOKENS, Run, run_claude
 from tests.integration.compose_stack import Stack
+from tests.unit.engine_core.agent_prompt import long_prompt
 
 pytestmark = [pytest.mark.agents, pytest.mark.integration]
 MODEL_ID = "your-model-id"  # router/settings.toml's model_id
 ROUTES = {"model-id": MODEL_ID, "claude-alias": None}  # None: the CLI's own claude-* model names
 PROMPTS = ("Reply with one word: ready?", "And one more word, please.")
+WINDOW = 65_536  # dummy:small's max_seq_len
+DOCUMENT_TOKENS = 46_000  # + the CLI's ~14k tokens of system prompt, environment block and tools: a ~60k-token request
+LONG_TIMEOUT_S = 3600  # a hang guard for the cold ~60k-token prefill on a loaded 2-core box, not an expectation
 
 
 def _decisions(stack: Stack) -> Counter[tuple[str, str]]:
@@ -46,10 +56,12 @@ def _decisions(stack: Stack) -> Counter[tuple[str, str]]:
     return counts
 
 
-def _turn(stack: Stack, binary: Path, workdir: Path, prompt: str, model: str | None, resume: bool) -> tuple[Run, list[dict[str, Any]], Counter]:
-    """One CLI run: (the run, the router's log lines it caused, the affinity decisions it caused)."""
+def _turn(stack: Stack, binary: Path, workdir: Path, prompt: str, model: str | None, resume: bool,
+          **options: Any) -> tuple[Run, list[dict[str, Any]], Counter]:
+    """One CLI run (`options`: run_claude's stdin, timeout_s): (the run, the router's log lines it caused, the
+    affinity decisions it caused)."""
     seen, decided = len(stack.events("router")), _decisions(stack)
-    run = run_claude(binary, prompt, stack.router_url, stack.api_key, workdir, model=model, resume=resume)
+    run = run_claude(binary, prompt, stack.router_url, stack.api_key, workdir, model=model, resume=resume, **options)
     # The router logs request_done as a response ends and the CLI may exit first: wait for one per received request.
     deadline = time.monotonic() + 30
     while True:
@@ -115,3 +127,42 @@ def test_two_turns_of_a_claude_code_session(agents_stack: Stack, claude_binary: 
     assert (second.result.get("usage") or {}).get("cache_read_input_tokens", 0) > 0, second.result.get("usage")
     requests = len([line for line in second_lines if line.get("event") == "router.request_done"])
     assert decisions == Counter({("prefill", "session"): requests, ("decode", "session"): requests}), decisions
+
+
+def _through_pd(stack: Stack, request_id: str, prompt_tokens: int) -> None:
+    """The request's whole prompt went prefill → decode: prefill pushed its KV, decode received it."""
+    sent = [e for e in stack.events("prefill", request_id) if e.get("event") == "kv_producer.sent"]
+    received = [e for e in stack.events("decode", request_id) if e.get("event") == "kv_consumer.received"]
+    assert sent and received, (request_id, [e.get("event") for e in stack.events("prefill", request_id)],
+                               [e.get("event") for e in stack.events("decode", request_id)])
+    assert sent[-1]["num_tokens"] == received[-1]["num_tokens"] == prompt_tokens, (sent[-1], received[-1], prompt_tokens)
+
+
+def test_a_claude_code_session_with_a_60k_token_history(agents_stack: Stack, claude_binary: Path, tmp_path: Path) -> None:
+    """A first turn whose request is ~60k tokens (inside the 65,536-token window) completes through prefill → KV push
+    → decode over 200s only, within the CLI's raised request timeout; the second turn (--continue) resends that
+    history and reads nearly all of it from the prefix cache."""
+    document = long_prompt(DOCUMENT_TOKENS, dummy_tokenizer())
+    prompt = "Reply with one word: what is the document below about?"
+    first, first_lines, _ = _turn(agents_stack, claude_binary, tmp_path, prompt, MODEL_ID, resume=False,
+                                  stdin=document, timeout_s=LONG_TIMEOUT_S)
+    print("agents-turn", json.dumps({"route": "model-id", "history": "60k", "turn": 1, **_figures(first, first_lines)}))
+    _check_turn(agents_stack, first, first_lines, MODEL_ID)
+    done = [line for line in first_lines if line.get("event") == "router.request_done"]
+    longest = max(done, key=lambda line: line.get("prompt_tokens", 0))
+    assert 55_000 <= longest["prompt_tokens"] < WINDOW, longest
+    for line in done:
+        _through_pd(agents_stack, line["request_id"], line["prompt_tokens"])
+
+    second, second_lines, _ = _turn(agents_stack, claude_binary, tmp_path, PROMPTS[1], MODEL_ID, resume=True,
+                                    timeout_s=LONG_TIMEOUT_S)
+    print("agents-turn", json.dumps({"route": "model-id", "history": "60k", "turn": 2, **_figures(second, second_lines)}))
+    _check_turn(agents_stack, second, second_lines, MODEL_ID)
+    assert second.session_id == first.session_id, "--continue started a new session"
+    for line in second_lines:
+        if line.get("event") == "router.request_done":
+            _through_pd(agents_stack, line["request_id"], line["prompt_tokens"])
+    usage = second.result.get("usage") or {}
+    cached, uncached = usage.get("cache_read_input_tokens", 0), usage.get("input_tokens", 0)
+    # The history is the first turn's longest prompt; what the second turn computes afresh is its new words alone.
+    assert cached >= 0.9 * longest["prompt_tokens"] and cached >= 0.9 * (cached + uncached), usage
