@@ -138,6 +138,7 @@ def _through_pd(stack: Stack, request_id: str, prompt_tokens: int) -> None:
     assert sent[-1]["num_tokens"] == received[-1]["num_tokens"] == prompt_tokens, (sent[-1], received[-1], prompt_tokens)
 
 
+@pytest.mark.agents_long
 def test_a_claude_code_session_with_a_60k_token_history(agents_stack: Stack, claude_binary: Path, tmp_path: Path) -> None:
     """A first turn whose request is ~60k tokens (inside the 65,536-token window) completes through prefill → KV push
     → decode over 200s only, within the CLI's raised request timeout; the second turn (--continue) resends that
