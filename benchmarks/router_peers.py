@@ -1,7 +1,7 @@
 """Our router next to the routers a user would pick instead (smg, vllm-router, sglang-router, LiteLLM), in one run.
 
     cd <repo> && WORK/venv-harness/bin/python -m benchmarks.router_peers --peers PEERS -- \
-        --work WORK --pd-python .venv/bin/python --targets direct pd-deploy pd-deploy-asyncio pd-deploy-stdjson \
+        --work WORK --pd-python .venv/bin/python --targets direct pd-deploy pd-deploy-asyncio \
         pd-deploy-redis smg vllm-router vllm-router-rr sglang-router --repeats 2 --out WORK/A.json
 
 PEERS is the peers harness (its README: `setup.sh WORK` makes one venv per peer, each `pip install`ed from
@@ -10,9 +10,8 @@ and reads the router's CPU from /proc). Everything after `--` goes to its bench.
 adds arms of our own router to the harness's targets, so a choice that only exists to be measured is made
 here, by how the process is started, never by a switch in the product:
 
-  pd-deploy          the router as shipped (uvloop, orjson)
+  pd-deploy          the router as shipped (uvloop)
   pd-deploy-asyncio  the same with the stock asyncio event loop (uvloop's loop factory swapped before start)
-  pd-deploy-stdjson  the same with the stdlib JSON encoder for SSE frames (stack.common.fastjson)
   pd-deploy-redis    per-key limits in a Redis (a redis-server this script starts on the client core, with the
                      deployments' append-only persistence): the limiter's cost is this row minus pd-deploy's
 
@@ -41,9 +40,6 @@ _MAIN = "import sys\nfrom stack.router.__main__ import main\nsys.exit(main(sys.a
 # The arms' code runs in the router process before its main(): `python -c CODE --config settings.toml`.
 _ARMS = {
     "asyncio": "import asyncio, uvloop\nuvloop.new_event_loop = asyncio.new_event_loop\n" + _MAIN,
-    "stdjson": ("import json\nfrom stack.common import fastjson\n"
-                "encoder = json.JSONEncoder(default=str, ensure_ascii=False, separators=(',', ':'))\n"
-                "fastjson.dumps = lambda value: encoder.encode(value).encode()\n" + _MAIN),
     "redis": _MAIN,
 }
 

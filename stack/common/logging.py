@@ -95,7 +95,7 @@ def redact(text: str) -> str:
     return _TOKEN_PATTERN.sub(lambda m: (m.group(1) or "") + "[REDACTED]", text)
 
 
-# The stdlib encoder, not orjson: the lines keep json.dumps' `"key": value` spacing, which readers grep for.
+# The stdlib encoder: the lines keep json.dumps' `"key": value` spacing, which readers grep for.
 _ENCODER = json.JSONEncoder(default=str, ensure_ascii=False)  # one encoder, not one per line
 
 

@@ -8,7 +8,7 @@ from stack.common import sse
 
 
 def test_a_frame_is_compact_utf8_json_as_json_dumps_wrote_it() -> None:
-    """orjson's frame is byte for byte json.dumps(separators=(",", ":"), ensure_ascii=False), event line included."""
+    """A frame is byte for byte json.dumps(separators=(",", ":"), ensure_ascii=False), event line included."""
     chunk = {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"content": "héllo \u2028 世界"}, "logprob": -0.25}],
              "usage": None, "model": "m"}
     expected = json.dumps(chunk, separators=(",", ":"), ensure_ascii=False).encode()
@@ -17,7 +17,7 @@ def test_a_frame_is_compact_utf8_json_as_json_dumps_wrote_it() -> None:
     assert sse.frame(sse.DONE) == b"data: [DONE]\n\n"
 
 
-def test_values_orjson_refuses_still_make_a_valid_frame() -> None:
+def test_values_utf8_cannot_carry_still_make_a_valid_frame() -> None:
     """A lone surrogate (a client's \\ud800 echoed back) or an integer past 64 bits is escaped, not an exception."""
     raw = sse.frame({"text": "\ud800", "seed": 2**70})
     assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
