@@ -40,8 +40,9 @@ def _prefilled(ctx: Context, record: Record) -> bool:
 
 
 def _context_exceeded(ctx: Context) -> list[Finding]:
-    refused = [r for r in ctx.by_event(events.HTTP_BAD_REQUEST)
-               if r[events.CODE] == "context_length_exceeded" and not _prefilled(ctx, r)]
+    # One request per refusal: the engine and the router each log the 400 (the router's line is what the client got).
+    refused = list({r.request_id: r for r in ctx.by_event(events.HTTP_BAD_REQUEST)
+                    if r[events.CODE] == "context_length_exceeded" and not _prefilled(ctx, r)}.values())
     if not refused:
         return []
     counts = [m.groups() for r in refused if (m := _WINDOW.search(r.line))]

@@ -35,6 +35,15 @@ def test_context_exceeded_names_both_token_counts(tmp_path: Path) -> None:
     assert "89892" in found.cause and "65536" in found.cause and found.request_ids == ("r1",)
 
 
+def test_one_refusal_logged_by_the_engine_and_the_router_counts_once(tmp_path: Path) -> None:
+    """The prefill and the router both log the 400 of one request: the finding says 1 request, not 2."""
+    msg = "This model's maximum context length is 65536 tokens. However, your prompt has 70005 tokens, which leaves no room"
+    fields = {"status": 400, "type": "invalid_request_error", "code": "context_length_exceeded"}
+    path = _log(tmp_path, [("prefill", "r1", events.HTTP_BAD_REQUEST, msg, fields), ("router", "r1", events.HTTP_BAD_REQUEST, msg, fields)])
+    found = by_id(diagnose(path)[0], "long_prompt.context_exceeded")
+    assert found.title.startswith("1 request(s) refused") and found.request_ids == ("r1",)
+
+
 def test_decode_pool_too_small_and_stalled_push_and_abandoned_work(tmp_path: Path) -> None:
     """Pool refusal, a push cut off after kv_lease_ms of silence, and abandoned work: one finding each, with the fix."""
     path = _log(tmp_path, [
