@@ -85,6 +85,7 @@ class Context:
     env: Environment
     stats: ParseStats = field(default_factory=ParseStats)
     docker: dict | None = None  # live facts when read from a compose project: {"project", "services"}
+    focus: str | None = None  # --request-id: the router's id of the one request asked about (narrow)
     _by_event: dict[str, list[Record]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -122,7 +123,7 @@ class Context:
             return None
         request_id = timeline.records[0].request_id if timeline.records else request_id
         return Context(timeline.records + self.background + self.client, {request_id: timeline}, self.background,
-                       self.client, self.env, self.stats, self.docker)
+                       self.client, self.env, self.stats, self.docker, focus=request_id)
 
     def by_event(self, *names: str) -> list[Record]:
         """Records of these events: read order for one event, timestamp order across several."""

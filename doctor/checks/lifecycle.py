@@ -90,6 +90,8 @@ def check(ctx: Context) -> list[Finding]:
             continue
         cut = failed_legs(ctx, role, since=_earlier(fatal[0].ts if fatal else down_from, CLOCK_SLACK_S), until=until)
         cut_ids = [r.request_id for r in cut] + [r.request_id for r in fatal if r.request_id != "-"]
+        if ctx.focus is not None and ctx.focus not in cut_ids:
+            continue  # asked about one request: an engine's life in the logs that did not touch it is not its cause
         if fatal:
             when = f"was down from {fatal[0].ts} to {down_to}" if restart else f"died at {fatal[0].ts} and did not come back"
             out.append(finding(

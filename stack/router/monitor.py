@@ -4,7 +4,8 @@
         NOT_SERVING or unreachable                 → down at once
         no answer in time                          → down after health_timeouts_to_down in a row
         SERVING                                    → up; a pd-push decode first tells its KV address (discovery.py),
-                                                     on every return, and stays down until it has
+                                                     on every return, and stays down until it has; asked again
+                                                     every round (a recreated container has a new hostname)
     the engines' model id                          → from a decode's /v1/models, once one answers
     each backend's capabilities and fingerprint    → settings.toml [prefill]/[decode] `capabilities` when set, else
                                                      its GET /health `capabilities` (asked when it comes up; none
@@ -133,12 +134,19 @@ class HealthMonitor:
                 continue
             times = f" x{backend.probe_timeouts}" if backend.probe_timeouts else ""
             verdicts.append((backend, state == SERVING, f"{backend.health_check} health {state}{times} at {backend.health_addr}"))
-        # A decode coming (back) up may listen on another KV port now: ask before it takes requests.
-        asking = [b for b, up, _ in verdicts if up and self._learns_kv(b) and (not b.up or b.kv_addr is None)]
-        unknown = dict(zip(asking, await asyncio.gather(*(self._kv_problem(b) for b in asking))))
-        # A backend coming (back) up may be another engine version: ask what it can do before it takes requests.
+        # A decode coming (back) up may listen on another KV port now: ask before it takes requests. One that stayed
+        # up is asked too: a container recreated between two probes keeps its address but not its hostname, the KV
+        # host it reports, and prefill cannot resolve the old one. Only a decode not yet taking requests is held back
+        # by a failed answer; one already serving keeps its address until a probe says it is down.
+        asking = [b for b, up, _ in verdicts if up and self._learns_kv(b)]
+        known = {b: b.kv_addr for b in asking}
+        answers = await asyncio.gather(*(self._kv_problem(b) for b in asking))
+        unknown = {b: problem for b, problem in zip(asking, answers) if problem and (not b.up or known[b] is None)}
+        replaced = {b for b in asking if known[b] is not None and b.kv_addr != known[b]}
+        # A backend coming (back) up, or replaced, may be another engine version: ask what it can do before it takes
+        # requests.
         await asyncio.gather(*(self._learn_capabilities(b) for b, up, _ in verdicts
-                               if up and (not b.up or b.url not in self._capabilities)))
+                               if up and (not b.up or b in replaced or b.url not in self._capabilities)))
         changed = False
         for backend, up, reason in verdicts:
             if unknown.get(backend):

@@ -49,16 +49,21 @@ def wait_logged(stack: Stack, service: str, event: str, request_id: str | None =
 
 
 def wait_backends_up(stack: Stack, timeout_s: float = 90) -> None:
-    """After a service is recreated the router needs a health round to see it again (bounded: hang guard)."""
+    """After a service is recreated the router needs a health round to see it again (bounded: hang guard): every
+    backend up, and decode's KV address naming the running container (a recreated one keeps its IP but gets a new
+    hostname, which the router learns on its next round)."""
     deadline = time.monotonic() + timeout_s
-    states: list[str] = []
+    seen: list[tuple[Any, Any]] = []
     while time.monotonic() < deadline:
+        hostname = stack.container("decode").attrs["Config"]["Hostname"]
         try:
             with urllib.request.urlopen(f"{stack.router_url}/health", timeout=5) as response:
-                states = [b.get("state") for b in json.load(response).get("backends", [])]
-            if states and all(state == "up" for state in states):
+                backends = json.load(response).get("backends", [])
+            seen = [(b.get("state"), b.get("kv_addr")) for b in backends]
+            if backends and all(b.get("state") == "up" for b in backends) and all(
+                    b["kv_addr"].rsplit(":", 1)[0] == hostname for b in backends if b.get("kv_addr")):
                 return
         except (urllib.error.URLError, OSError, ValueError):
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"router backends not all up after {timeout_s} s: {states}")
+    raise TimeoutError(f"router backends not all up (decode's KV host the running container) after {timeout_s} s: {seen}")

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from doctor.checks import GENERIC
-from doctor.cli import main
+from doctor.checks import run_checks
+from doctor.cli import build_parser, load_context, main
 from tests.unit.doctor.helpers import by_id, diagnose
 
 BUNDLES = Path(__file__).parent / "bundles"
@@ -79,6 +80,16 @@ def test_decode_restart_is_named_with_when_it_was_down():
     assert_vllm_fix(f.fix)
     assert not GENERIC & {x.id for x in findings} and "backend.decode_down" not in {x.id for x in findings}
     assert exit_code("vllm_decode_restart") == 1
+
+
+def test_a_restart_is_named_for_a_request_it_cut_and_not_for_one_after_it():
+    """--request-id narrows to one request: a stream the restart cut is told engine.restarted; a request served after
+    decode was back is not (the restart is in the logs but is not that request's cause)."""
+    ctx, _ = load_context(build_parser().parse_args(["diagnose", "--logs", str(BUNDLES / "vllm_decode_restart")]))
+    cut, after = ctx.narrow("rec-restart-cut-0"), ctx.narrow("rec-restart-after-0")
+    assert cut is not None and after is not None
+    assert "rec-restart-cut-0" in by_id(run_checks(cut), "engine.restarted").request_ids
+    assert "engine.restarted" not in {f.id for f in run_checks(after)}
 
 
 def test_different_tokenizer_on_decode_is_named_although_every_answer_was_200():

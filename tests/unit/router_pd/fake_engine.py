@@ -67,6 +67,7 @@ class FakeEngine:
     max_model_len: int | None = None  # the window /v1/models reports (vLLM's field), if any
     serving: bool = True  # what both health endpoints say: gRPC health and vLLM-style GET /health
     kv_port: int | None = FAKE_KV_PORT  # reported on GET /health by decodes, as our engine does (None: not reported)
+    health_asks: list[float] = field(default_factory=list)  # when GET /health was asked (loop time)
     url: str = ""
     health_addr: str = ""
     _runner: web.AppRunner | None = None
@@ -101,6 +102,7 @@ class FakeEngine:
         await (self._health.set_serving() if serving else self._health.set_not_serving())
 
     async def _http_health(self, _request: web.Request) -> web.Response:
+        self.health_asks.append(asyncio.get_running_loop().time())
         body: dict[str, Any] = {"status": "ok" if self.serving else "starting", "role": self.role}
         if self.role != "prefill" and self.kv_port is not None:
             body["kv_port"] = self.kv_port

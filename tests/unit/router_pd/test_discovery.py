@@ -3,6 +3,7 @@ comes back, and a port the router was given is checked against the report, never
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,38 @@ async def test_a_decode_coming_back_is_asked_again(fake, pd, logs):
     await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
     assert prefill.seen[0]["kv_transfer_params"]["decode_kv_addr"] == "127.0.0.1:7200"
     assert [e["kv_addr"] for e in logs.events(events.BACKEND_KV_ADDR)] == ["127.0.0.1:7123", "127.0.0.1:7200"]
+
+
+async def test_a_decode_replaced_between_two_probes_is_asked_again(fake, pd, logs):
+    """A decode recreated between two health rounds is never seen down (same address, SERVING again), but it reports
+    another KV address (a container's hostname changes with it): the next round learns it, without a down state."""
+    prefill, decode = await fake("prefill"), await fake("decode", kv_port=7123)
+    client = await pd([prefill], [decode], health_interval_ms=50)
+    decode.kv_port = 7300
+    deadline = asyncio.get_running_loop().time() + 5  # a hang guard: rounds run every 50 ms
+    while backend(client, decode.url).kv_addr != "127.0.0.1:7300":
+        assert asyncio.get_running_loop().time() < deadline, "the replaced decode's KV address was never learned"
+        await asyncio.sleep(0.02)
+    await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
+    assert prefill.seen[0]["kv_transfer_params"]["decode_kv_addr"] == "127.0.0.1:7300"
+    assert [e["kv_addr"] for e in logs.events(events.BACKEND_KV_ADDR)] == ["127.0.0.1:7123", "127.0.0.1:7300"]
+    assert all(e["state"] == "up" for e in logs.events(events.BACKEND_HEALTH))
+
+
+async def test_a_serving_decode_that_misses_one_kv_answer_keeps_serving(fake, pd, logs):
+    """A decode already taking requests whose GET /health stops naming its port keeps the address it gave: only
+    a health probe takes a serving backend out."""
+    prefill, decode = await fake("prefill"), await fake("decode", kv_port=7123)
+    client = await pd([prefill], [decode], health_interval_ms=50)
+    decode.kv_port = None
+    asked = len(decode.health_asks)
+    deadline = asyncio.get_running_loop().time() + 5
+    while len(decode.health_asks) < asked + 3:  # three rounds asked and got no port
+        assert asyncio.get_running_loop().time() < deadline, "the monitor stopped asking"
+        await asyncio.sleep(0.02)
+    assert backend(client, decode.url).up and backend(client, decode.url).kv_addr == "127.0.0.1:7123"
+    await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
+    assert prefill.seen[0]["kv_transfer_params"]["decode_kv_addr"] == "127.0.0.1:7123"
 
 
 async def test_without_health_checks_the_address_is_learned_once_at_start(fake, pd):
