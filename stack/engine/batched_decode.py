@@ -66,7 +66,8 @@ def decode_batches(caches: list[KVCache], starts: list[int], lengths: list[int],
             tables[i, :n] = caches[j].table[:n]
         rows = np.concatenate([np.arange(offsets[j], offsets[j + 1], dtype=np.int64) for j in members])  # (R,)
         own = np.cumsum([0, *(lengths[j] for j in members)]).astype(np.int64)  # (B + 1,)
-        batches.append(DecodeBatch(pool, tuple(members), rows, own, tables, np.array([starts[j] for j in members], np.int64)))
+        first = np.array([starts[j] for j in members], np.int64)  # (B,)
+        batches.append(DecodeBatch(pool, tuple(members), rows, own, tables, first))
     return batches
 
 

@@ -1,11 +1,12 @@
 """The compiled decode attention (numba): every thin segment of a step against its paged KV, one call per layer.
 
-numba is a JIT on PyPI, kept up by the NumPy ecosystem (Anaconda, NVIDIA, Intel): it compiles this plain-loop
-Python to machine code with LLVM, with no C toolchain in the image. Why compiled: a decode step's attention is
-some twenty small numpy calls per sequence and layer; at batch 32 their dispatch, not memory, bounds the step.
-One call here walks every sequence's block table where the blocks lie in the pool, a `prange` over (segment,
-KV head) tasks spread over the cores; each key and value is read once for the G query heads of its group (and
-the T queries of a short segment), and the loops over head_dim are plain float32 loops LLVM vectorises.
+numba is a long-kept JIT on PyPI (a NumFOCUS project, led by Anaconda): it compiles this plain-loop Python to
+machine code with LLVM (its llvmlite wheel carries LLVM), with no C toolchain in the image. Why compiled: a
+decode step's attention is some twenty small numpy calls per sequence and layer; at batch 32 their dispatch,
+not memory, bounds the step. One call here walks every sequence's block table where the blocks lie in the
+pool, a `prange` over (segment, KV head) tasks spread over the cores; each key and value is read once for the
+G query heads of its group (and the T queries of a short segment), and the loops over head_dim are plain
+float32 loops LLVM vectorises.
 
 This module imports numba and nothing of the engine: the image compiles it into NUMBA_CACHE_DIR on its own
 (Dockerfile), and batched_decode.py imports it only when the kernel is wanted. attention.py (numpy) stays
@@ -44,7 +45,8 @@ def paged_decode(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, tables: 
     for task in prange(B * KV):
         b, h = task // KV, task % KV
         first, T = offsets[b], offsets[b + 1] - offsets[b]
-        rows, keys = T * G, starts[b] + T  # query rows of this group (row t*G + g: query t, head h*G + g); keys the last sees
+        rows = T * G  # query rows of this group: row t*G + g is query t, head h*G + g
+        keys = starts[b] + T  # keys the last query sees
         qg = np.empty((rows, hd), np.float32)  # (rows, hd) the group's queries, contiguous
         for t in range(T):
             for g in range(G):

@@ -63,7 +63,8 @@ def test_a_mixed_batch_across_block_boundaries_matches_numpy(tiny_model: Model, 
     for cache, n in zip(caches, lengths):
         assert cache is not None
         forward(tiny_model, [Segment(rng.integers(0, 256, n), cache, 0)], attention="numpy")
-    segments = [Segment(np.array([int(t)]), c, c.length) for c, t in zip(caches, rng.integers(0, 256, len(caches)))]  # type: ignore[arg-type]
+    new_tokens = rng.integers(0, 256, len(caches))
+    segments = [Segment(np.array([int(t)]), c, c.length) for c, t in zip(caches, new_tokens)]  # type: ignore[arg-type]
     kernel, numpy = both_ways(tiny_model, segments)
     assert_matches_reference(kernel, numpy)
     import numba
@@ -117,7 +118,8 @@ def test_decode_segments_skip_the_numpy_path(tiny_model: Model, monkeypatch: pyt
     for cache in decodes:
         forward(tiny_model, [Segment(np.arange(10), cache, 0)], attention="numpy")  # type: ignore[arg-type]
     chunk_cache = pool.allocate(100)
-    step = [Segment(np.array([5]), c, 10) for c in decodes] + [Segment(np.arange(100) % 256, chunk_cache, 0)]  # type: ignore[arg-type]
+    step = [Segment(np.array([5]), c, 10) for c in decodes]  # type: ignore[arg-type]
+    step.append(Segment(np.arange(100) % 256, chunk_cache, 0))  # type: ignore[arg-type]
     calls.clear()
     forward(tiny_model, step, attention="numba")
     assert calls == [100] * TINY.n_layers  # the chunk only: one query block per layer
