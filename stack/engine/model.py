@@ -98,9 +98,9 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
     rotation = rope_rotation(cfg, positions)  # (N, 1, hd/2) complex64
     N = len(tokens)
     assert attention in batched_decode.ATTENTION, f"attention is one of {batched_decode.ATTENTION}, got {attention!r}"
-    compiled = attention == "numba" and batched_decode.compiled() is not None
+    use_kernel = attention == "numba" and batched_decode.compiled() is not None
     batches = batched_decode.decode_batches([s.cache for s in segments], [s.start_pos for s in segments], lengths,
-                                            H // KV) if compiled else []
+                                            H // KV) if use_kernel else []
     kernel_segments = {j for batch in batches for j in batch.segments}
     tasks = [task for task in attention_tasks(segments, lengths, H // KV) if task[0] not in kernel_segments]  # numpy's work
     runs = [s.cache.runs(s.start_pos + T) for s, T in zip(segments, lengths)]  # block runs, the same in every layer
