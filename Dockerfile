@@ -20,6 +20,15 @@ RUN python3 -m venv /opt/venv \
  && mkdir -p /app/data && chown pd /app/data
 
 WORKDIR /app
+# The engine's attention kernel (stack/engine/kernels.py), compiled here into numba's cache so an engine loads it
+# at warm-up instead of compiling it (seconds). Only that file and the package markers are copied first: a code
+# change elsewhere reuses this layer. The cache is keyed by the file's content and this machine's CPU (an image
+# run on another CPU compiles at warm-up); pd owns the directory, as numba wants it writable.
+ENV NUMBA_CACHE_DIR=/app/numba-cache
+COPY stack/__init__.py /app/stack/__init__.py
+COPY stack/engine/__init__.py stack/engine/kernels.py /app/stack/engine/
+RUN python -c "from stack.engine.kernels import compile_kernel; compile_kernel()" \
+ && chown -R pd /app/numba-cache
 COPY stack /app/stack
 COPY doctor /app/doctor
 # No configs in the image: every service reads its config from /config, a read-only mount of the

@@ -2,16 +2,18 @@
 
     python -m benchmarks.engine [--model dummy:small] [--repeat 3] [--quick]
     python -m benchmarks.engine --prefill 1024,4096 --contexts 800 --batches 1,8   # any subset
+    python -m benchmarks.engine --prefill 1024 --attention numba,numpy   # decode through both attention arms
 
 Sections run in order and share a `Bench` record (_common.py): baselines first (numpy GEMM rate, memory copy
 bandwidth, loopback socket bandwidth, the BLAS threadpoolctl sees), then
 - prefill tok/s of --prefill prompts (default 1k, 4k, 16k, 32k), fed in --chunk token chunks as the scheduler
   does with chunked_prefill, against FLOPs (weights + causal attention) / the GEMM rate;
 - decode tok/s at --batches (1, 8, 32) x --contexts (800, 8k), every sequence in its own pool blocks, against
-  (weights + the batch's KV) bytes per step / the copy bandwidth;
+  (weights + the batch's KV) bytes per step / the copy bandwidth; once per --attention arm (numba: the engine's
+  compiled kernel, its default; numpy: attention.py), the arms of a point run back to back;
 - peak resident memory of the longest prefill and of the largest batch x context (sampled while it runs);
 - attention on one thread vs spread over the cores (paired runs), for the largest decode batch and a prefill;
-- is numpy the limit: one layer's decode attention, numpy vs a compiled paged kernel (attention_kernels.py, numba);
+- one layer's decode attention of the largest batch, numpy vs the engine's compiled kernel (attention_kernels.py);
 - the KV transfer (kv_transfer.py), and the GEMM rate again (drift = the machine's load changed).
 --quick: prefill 1k and 4k, context 800 only. Thread count: whatever numpy/OpenBLAS uses in this process
 (set OPENBLAS_NUM_THREADS to pin it); every figure and its bound use the same one.
@@ -31,6 +33,7 @@ import numpy as np
 from benchmarks import _common, attention_kernels
 from benchmarks._common import Bench, Section, best_time, socket_bandwidth
 from benchmarks.kv_transfer import kv_transfer
+from stack.engine import batched_decode
 from stack.engine.kv_cache import KVCache, KVPool
 from stack.engine.model import Model, Segment, forward
 
@@ -38,6 +41,7 @@ FULL = {"prefill": [1024, 4096, 16384, 32768], "contexts": [800, 8192], "batches
 QUICK = {"prefill": [1024, 4096], "contexts": [800], "batches": [1, 8, 32]}
 POINTS: dict[str, list[int]] = dict(FULL)  # set from the command line before the sections run
 CHUNK = [2048]  # prefill chunk (the scheduler's default max_num_batched_tokens)
+ATTENTION = ["numba"]  # decode attention arms (forward's `attention`), set from the command line
 DECODE_STEPS = 4  # timed decode steps per run
 
 
@@ -130,13 +134,13 @@ def decode(bench: Bench) -> None:
         source = KVCache(model.config, context)
         prefill_into(model, source, np.random.default_rng(2).integers(0, model.config.vocab_size, context))
         k, v = source.k[:, :context], source.v[:, :context]  # (n_layers, context, KV, hd) each
-        for batch in batches:
-            largest = context == max(contexts) and batch == max(batches)
+        for batch, arm in ((batch, arm) for batch in batches for arm in ATTENTION):
+            largest = context == max(contexts) and batch == max(batches) and arm == ATTENTION[0]
             with rss_peak() as rss:
-                seconds = decode_step_seconds(bench, batch, context, k, v)
+                seconds = decode_step_seconds(bench, batch, context, k, v, arm)
             step_bytes = weight_bytes + batch * context * model.config.kv_bytes_per_token
             bound = batch * bw / step_bytes  # tok/s if the step only streamed its bytes
-            bench.report(f"decode batch {batch:>2}, context {context:>5} ({seconds * 1e3:6.1f} ms/step)",
+            bench.report(f"decode batch {batch:>2}, context {context:>5}, {arm} ({seconds * 1e3:6.1f} ms/step)",
                          f"{batch / seconds:8.0f} tok/s",
                          f"bound {bound:6.0f} tok/s: {batch / seconds / bound:.2f} x (goal >= 0.5 at batch 32)")
             if largest:
@@ -159,13 +163,13 @@ def decode_caches(bench: Bench, batch: int, context: int, k: np.ndarray, v: np.n
     return caches
 
 
-def decode_step_seconds(bench: Bench, batch: int, context: int, k: np.ndarray, v: np.ndarray) -> float:
-    """Best wall time of one decode step over `decode_caches`."""
+def decode_step_seconds(bench: Bench, batch: int, context: int, k: np.ndarray, v: np.ndarray, attention: str) -> float:
+    """Best wall time of one decode step over `decode_caches`, attending with `attention` (numba | numpy)."""
     model, caches = bench.model, decode_caches(bench, batch, context, k, v)
     tokens = np.zeros(1, np.int64)  # (1,)
 
     def step() -> None:
-        forward(model, [Segment(tokens, c, c.length) for c in caches])
+        forward(model, [Segment(tokens, c, c.length) for c in caches], attention=attention)
 
     step()  # warm-up
     return best_time(lambda: [step() for _ in range(DECODE_STEPS)], bench.repeat, bench.clock) / DECODE_STEPS
@@ -192,8 +196,8 @@ def attention_split(bench: Bench) -> None:
     def prefill_seconds() -> float:
         return best_time(lambda: prefill_into(model, KVCache(model.config, T), tokens), 1, bench.clock)
 
-    arms = {f"decode batch {batch}, context {context}": lambda: decode_step_seconds(bench, batch, context, source.k[:, :context],
-                                                                                   source.v[:, :context]),
+    arms = {f"decode batch {batch}, context {context}, {ATTENTION[0]}": lambda: decode_step_seconds(
+                bench, batch, context, source.k[:, :context], source.v[:, :context], ATTENTION[0]),
             f"prefill {T} tokens": prefill_seconds}
     try:
         for label, seconds in arms.items():
@@ -210,7 +214,7 @@ def attention_split(bench: Bench) -> None:
 
 
 def numba_decode(bench: Bench) -> None:
-    """One layer's attention of the largest decode batch, numpy path vs a compiled paged kernel (attention_kernels.py)."""
+    """One layer's attention of the largest decode batch, numpy path vs the engine's compiled kernel (attention_kernels.py)."""
     model, batch = bench.model, max(POINTS["batches"])
     for context in fitting(model, POINTS["contexts"], DECODE_STEPS * (bench.repeat + 1)):
         source = KVCache(model.config, context)
@@ -262,6 +266,14 @@ SECTIONS: list[Section] = [gemm_peak, copy_bandwidth, blas, socket_bandwidth, pr
                            kv_transfer, stability]
 
 
+def arms(text: str) -> list[str]:
+    """--attention's comma-separated arms, each numba or numpy."""
+    chosen = text.split(",")
+    if not chosen or any(arm not in batched_decode.ATTENTION for arm in chosen):
+        raise argparse.ArgumentTypeError(f"arms are {', '.join(batched_decode.ATTENTION)}, got {text!r}")
+    return chosen
+
+
 def points(argv: list[str]) -> list[str]:
     """Read this benchmark's own flags into POINTS / CHUNK; the rest go to the shared CLI."""
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
@@ -271,12 +283,15 @@ def points(argv: list[str]) -> list[str]:
     parser.add_argument("--contexts", type=ints, help="decode contexts, comma-separated")
     parser.add_argument("--batches", type=ints, help="decode batch sizes, comma-separated")
     parser.add_argument("--chunk", type=int, default=CHUNK[0], help="prefill chunk in tokens")
+    parser.add_argument("--attention", type=arms, default=ATTENTION,
+                        help="decode attention arms, comma-separated: numba (the engine's kernel, default), numpy")
     args, rest = parser.parse_known_args(argv)
     POINTS.update(QUICK if args.quick else FULL)
     POINTS.update({key: getattr(args, key) for key in ("prefill", "contexts", "batches") if getattr(args, key)})
     CHUNK[0] = args.chunk
+    ATTENTION[:] = args.attention
     print(f"points: prefill {POINTS['prefill']}, decode contexts {POINTS['contexts']} x batches {POINTS['batches']}, "
-          f"chunk {CHUNK[0]}")
+          f"chunk {CHUNK[0]}, attention {ATTENTION}")
     return rest
 
 

@@ -264,6 +264,12 @@ ENGINE_PREFILL_STOPPED = Event("engine.prefill_stopped", ENGINE,
                                required=(PROMPT_TOKENS, COMPUTED_TOKENS, LAYERS_DONE), level="WARNING")
 ENGINE_STEP_FAILED = Event("engine.step_failed", ENGINE, "a forward/sampling step raised (a bug); its sequences end with an error",
                            required=(SEQUENCES,), optional=(EXC,), level="ERROR")
+ATTENTION = Field("attention", str, "numba", "numba | numpy: the decode attention an engine runs (docs/engine.md)")
+KERNEL_MS = Field("kernel_ms", float, 412.0, "time to compile the numba attention kernel, or to load it from numba's cache")
+KERNEL_CACHED = Field("kernel_cached", bool, True, "the kernel came from numba's on-disk cache (the image bakes one)")
+ENGINE_ATTENTION = Event("engine.attention", ENGINE, "at warm-up: which decode attention this engine runs; reason numba_missing "
+                         "(a warning: the kernel is wanted, numba does not import) or configured (attention: numpy)",
+                         required=(ATTENTION,), optional=(KERNEL_MS, KERNEL_CACHED, REASON))
 
 # -- engine: KV transfer, prefill side (kv_producer) -------------------------------------------
 KV_PRODUCER_SENDING = Event("kv_producer.sending", PREFILL, "a KV push to decode starts",

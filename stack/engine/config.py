@@ -5,7 +5,8 @@ kv_transfer_config {kv_connector, kv_role, kv_port, kv_buffer_size}, gpu_memory_
 accepted; the ones that mean nothing on a CPU engine are listed by `ignored_fields` and logged once
 at start (`config.ignored`). Unknown keys and wrong types raise `ConfigError` (file: key: problem).
 
-`PD_PREFIX_CACHING=0|1` in the environment overrides `prefix_caching` (benchmark arms flip it per run).
+`PD_PREFIX_CACHING=0|1` in the environment overrides `prefix_caching` (benchmark arms flip it per run), and
+`PD_ATTENTION=numba|numpy` overrides `attention` (back to the numpy reference without editing the config).
 `KV_TRANSFER_PORT` in the environment is the one override of where a KV consumer (decode) listens;
 decode reports the port it got on `/health` (`kv_port`), which is where the router learns it. A
 producer (prefill) never needs a port: it pushes to the `decode_kv_addr` each request names.
@@ -17,13 +18,14 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from stack.common.config import ConfigError, build, check, read_file
 
 Role = Literal["prefill", "decode", "both"]
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 KVDtype = Literal["float32", "float16"]
+Attention = Literal["numba", "numpy"]
 
 # Our own connector: TCP push from prefill to the decode's kv_port (see kv_transfer.py).
 OWN_CONNECTOR = "PdTcpConnector"
@@ -31,6 +33,7 @@ OWN_CONNECTOR = "PdTcpConnector"
 DEFAULT_KV_ROLE: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 KV_PORT_ENV = "KV_TRANSFER_PORT"  # overrides a KV consumer's kv_transfer_config.kv_port (compose passes it from .env)
 PREFIX_CACHING_ENV = "PD_PREFIX_CACHING"  # 0 | 1: overrides prefix_caching (the benchmark's arms with and without it)
+ATTENTION_ENV = "PD_ATTENTION"  # numba | numpy: overrides attention
 KV_HOST_ENV = "KV_ADVERTISE_HOST"  # overrides a KV consumer's kv_transfer_config.kv_advertise_host
 
 
@@ -85,6 +88,9 @@ class EngineConfig:
     chunked_prefill: bool = False  # split long prompts to fit the step budget beside running decodes
     prefix_caching: bool = True  # keep full KV blocks after a request and reuse them for equal prefixes (env PD_PREFIX_CACHING=0|1)
     kv_dtype: KVDtype = "float32"  # dtype of cached blocks and of KV on the wire; float16 halves both (compute stays float32)
+    # decode attention: numba = the compiled paged kernel (kernels.py; numpy when numba does not import), numpy =
+    # attention.py, the reference (env PD_ATTENTION=numba|numpy)
+    attention: Attention = "numba"
 
     def __post_init__(self) -> None:
         check(bool(self.model.strip()), "model", "must not be empty")
@@ -144,7 +150,7 @@ def ignored_fields(config: EngineConfig, raw: dict[str, Any]) -> list[tuple[str,
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None,
                 env: Mapping[str, str] | None = None) -> tuple[EngineConfig, dict[str, Any]]:
     """Read and validate `path`, apply CLI `overrides` (dotted keys), then `KV_TRANSFER_PORT` from
-    `env` (default os.environ) on a KV consumer unless `--kv-port` set the port, and PD_PREFIX_CACHING;
+    `env` (default os.environ) on a KV consumer unless `--kv-port` set the port, PD_PREFIX_CACHING and PD_ATTENTION;
     return (config, raw file dict).
 
     Overrides go through the same validation, so a bad `--kv-port` fails like a bad file value and a
@@ -168,6 +174,11 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None,
         if caching not in ("0", "1"):
             raise ConfigError("environment", PREFIX_CACHING_ENV, f"must be 0 or 1, got {caching!r}")
         merged["prefix_caching"] = caching == "1"
+    attention = environ.get(ATTENTION_ENV, "").strip()
+    if attention:
+        if attention not in get_args(Attention):
+            raise ConfigError("environment", ATTENTION_ENV, f"must be numba or numpy, got {attention!r}")
+        merged["attention"] = attention
     config = build(EngineConfig, merged, path)
     if config.is_kv_consumer and (overrides or {}).get("kv_transfer_config.kv_port") is None:
         port = _env_kv_port(environ)

@@ -5,7 +5,9 @@ segment go through the matmuls together as one (N, dim) matrix (BLAS spreads the
 attention reads each segment's keys where they lie in the paged pool (attention.py). Its work is cut
 into tasks (a decode segment, or a block of QUERY_BLOCK queries of a prefill) that a large step
 spreads over the process's cores (`attention_groups`): a decode batch's attention reads every
-sequence's whole cache, and a long prompt's is quadratic, so either is worth both cores. Prefill is
+sequence's whole cache, and a long prompt's is quadratic, so either is worth both cores. With
+`attention="numba"` (the default) the thin segments (decode) skip those tasks: one compiled call per
+layer attends them all (batched_decode.py, kernels.py), spread over the same cores. Prefill is
 one segment with T = len(prompt) (or a chunk of it), decode is many T = 1 segments, and a colocated
 step mixes both in one call. The `Model` holds no per-request state.
 """
@@ -21,7 +23,7 @@ from functools import lru_cache
 import numpy as np
 
 from stack.engine import attention as attn_kernels
-from stack.engine.attention import attention
+from stack.engine import batched_decode
 from stack.engine.checkpoint import DUMMY_CONFIGS, dummy_weights, load_checkpoint
 from stack.engine.errors import CheckpointError, TokenRangeError
 from stack.engine.kv_cache import KVCache
@@ -66,10 +68,12 @@ def load_model(source: str, seed: int = 0) -> Model:
 
 
 def forward(model: Model, segments: list[Segment], all_logits: bool = False,
-            on_layer: Callable[[int], None] | None = None) -> np.ndarray | list[np.ndarray]:
+            on_layer: Callable[[int], None] | None = None, attention: str = "numba") -> np.ndarray | list[np.ndarray]:
     """Run one step. Writes each segment's K/V into its cache and advances `cache.length`.
 
     `on_layer(i)` is called once layer i's K/V of every segment are written (a PD prefill streams them).
+    `attention`: "numba" attends the thin (decode) segments with the compiled kernel when numba imports,
+    "numpy" runs every segment through attention.py (the reference).
 
     Returns (len(segments), vocab) logits of each segment's last token, or with `all_logits` a list
     of (T, vocab) arrays, one per segment. Raises `TokenRangeError` for ids outside the vocabulary.
@@ -93,7 +97,12 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
     positions = np.concatenate([np.arange(s.start_pos, s.start_pos + T) for s, T in zip(segments, lengths)])  # (N,)
     rotation = rope_rotation(cfg, positions)  # (N, 1, hd/2) complex64
     N = len(tokens)
-    tasks = attention_tasks(segments, lengths, H // KV)  # (segment, first query, end query), each a unit of work
+    assert attention in batched_decode.ATTENTION, f"attention is one of {batched_decode.ATTENTION}, got {attention!r}"
+    use_kernel = attention == "numba" and batched_decode.compiled() is not None
+    batches = batched_decode.decode_batches([s.cache for s in segments], [s.start_pos for s in segments], lengths,
+                                            H // KV) if use_kernel else []
+    kernel_segments = {j for batch in batches for j in batch.segments}
+    tasks = [task for task in attention_tasks(segments, lengths, H // KV) if task[0] not in kernel_segments]  # numpy's work
     runs = [s.cache.runs(s.start_pos + T) for s, T in zip(segments, lengths)]  # block runs, the same in every layer
     groups = attention_groups([(hi - lo) * (segments[j].start_pos + hi) for j, lo, hi in tasks])
 
@@ -113,8 +122,10 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
                 j, lo, hi = tasks[t]
                 s, first = segments[j], segments[j].start_pos + lo
                 rows = slice(offsets[j] + lo, offsets[j] + hi)
-                attn[rows] = attention(q[rows], s.cache.views(layer_index, s.start_pos + hi, 0, runs[j]), first)
+                attn[rows] = attn_kernels.attention(q[rows], s.cache.views(layer_index, s.start_pos + hi, 0, runs[j]), first)
 
+        for batch in batches:  # the kernel spreads its own tasks over the cores
+            batched_decode.attend(batch, layer_index, q, attn, attention_threads())
         if len(groups) == 1:
             attend(groups[0])
         else:  # numpy releases the GIL inside each product and ufunc: the groups run on separate cores

@@ -38,6 +38,7 @@ from loguru import logger
 
 from stack.common import events
 from stack.common.logging import log_event
+from stack.engine import stopping
 from stack.engine.grammar import Constraint
 from stack.engine.kv_cache import KVCache, KVPool
 from stack.engine.metrics import EngineMetrics
@@ -70,9 +71,10 @@ class Scheduler:
     """Owns the KV pool and the step loop; `submit` or `prefill` sequences, read `seq.outputs`, `cancel` them."""
 
     def __init__(self, model: Model, pool: KVPool, *, max_num_batched_tokens: int, max_num_seqs: int, chunked_prefill: bool,
-                 metrics: EngineMetrics | None = None, prefix: PrefixCache | None = None) -> None:
+                 metrics: EngineMetrics | None = None, prefix: PrefixCache | None = None, attention: str = "numba") -> None:
         self.metrics = metrics or EngineMetrics()
         self.model = model
+        self.attention = attention  # forward's decode attention: "numba" (the compiled kernel) | "numpy"
         self.pool = pool
         self.prefix = prefix or PrefixCache(pool, model.fingerprint, enabled=False)
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -99,11 +101,15 @@ class Scheduler:
         self._executor.shutdown(wait=True)
 
     async def warmup(self) -> None:
-        """One real forward (prefill + decode) on a throwaway cache: loads BLAS, touches the weights."""
+        """One real forward (prefill + decode) on a throwaway cache: loads BLAS, touches the weights, and compiles the
+        attention kernel (or loads it from numba's cache), so no request pays for it."""
+        if self.attention == "numpy":
+            log_event(events.ENGINE_ATTENTION, "decode attention: numpy (attention: numpy)", attention="numpy", reason="configured")
         cache = KVCache(self.model.config, 8)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, forward, self.model, [Segment(np.arange(4), cache, 0)])
-        await loop.run_in_executor(self._executor, forward, self.model, [Segment(np.arange(1), cache, 4)])
+        step = partial(forward, self.model, attention=self.attention)
+        await loop.run_in_executor(self._executor, step, [Segment(np.arange(4), cache, 0)])
+        await loop.run_in_executor(self._executor, step, [Segment(np.arange(1), cache, 4)])
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -300,7 +306,8 @@ class Scheduler:
             for hook, cache in hooks:
                 hook(layer, cache)
 
-        logits = forward(self.model, [w.segment for w in work], on_layer=on_layer if prefills else None)  # (len(work), vocab)
+        logits = forward(self.model, [w.segment for w in work], on_layer=on_layer if prefills else None,
+                         attention=self.attention)  # (len(work), vocab)
         return [self._sample(w.seq, row) if w.samples else None for w, row in zip(work, logits)]
 
     def _sample(self, seq: Sequence, row: np.ndarray) -> tuple[int, TokenLogprob | None]:
@@ -357,31 +364,11 @@ class Scheduler:
         if len(seq.output) == 1:
             log_event(events.ENGINE_FIRST_TOKEN, "first token", request_id=seq.request_id,
                       ttft_ms=round((time.perf_counter() - seq.arrival) * 1000, 2))
-        stops = seq.params.stop
-        assert seq.detok is not None
-        if token in seq.params.stop_token_ids or (token in self.model.tokenizer.stop_ids and not seq.params.ignore_eos):
-            seq.text += seq.detok.flush()
-            seq.stop_reason = token if token in seq.params.stop_token_ids else None
-            self._finish(seq, "stop")
+        reason = stopping.add_token_text(seq, token, self.model.tokenizer.stop_ids)
+        if reason is not None:
+            self._finish(seq, reason)
             return
-        seq.text += seq.detok.push(token)
-        if stops:
-            search_from = max(0, seq.sent - max(map(len, stops)))
-            hits = [(i, s) for s in stops if (i := seq.text.find(s, search_from)) >= 0]
-            if hits:
-                at, seq.stop_reason = min(hits, key=lambda hit: (hit[0], len(hit[1])))  # earliest; on a tie, the shorter (done first)
-                seq.text = seq.text[:at]
-                self._finish(seq, "stop")
-                return
-        if len(seq.output) >= seq.params.max_tokens:
-            seq.text += seq.detok.flush()
-            self._finish(seq, "length")
-            return
-        # Hold back a tail that could still become a stop string; it is sent once it cannot.
-        safe = len(seq.text) - (max(map(len, stops)) - 1 if stops else 0)
-        new = seq.text[seq.sent : max(safe, seq.sent)]
-        seq.sent += len(new)
-        seq.outputs.put_nowait(Output(new, len(seq.output), logprobs=self._take_logprobs(seq)))
+        seq.outputs.put_nowait(Output(stopping.releasable_text(seq), len(seq.output), logprobs=self._take_logprobs(seq)))
 
     @staticmethod
     def _take_logprobs(seq: Sequence) -> tuple[TokenLogprob, ...]:

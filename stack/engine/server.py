@@ -64,7 +64,8 @@ def create_app(config: EngineConfig, model: Model) -> web.Application:
     metrics = EngineMetrics(config.model)
     prefix = PrefixCache(pool, model.fingerprint, enabled=config.prefix_caching, metrics=metrics)
     scheduler = Scheduler(model, pool, max_num_batched_tokens=config.max_num_batched_tokens,
-                          max_num_seqs=config.max_num_seqs, chunked_prefill=config.chunked_prefill, metrics=metrics, prefix=prefix)
+                          max_num_seqs=config.max_num_seqs, chunked_prefill=config.chunked_prefill, metrics=metrics, prefix=prefix,
+                          attention=config.attention)
     engine = Engine(config, model, scheduler, KVHandoff(config, model, scheduler, metrics), max_model_len, int(time.time()))
     metrics.watch(scheduler, engine.handoff.consumer)
 

@@ -51,10 +51,12 @@ def test_scattered_tables_match_the_reference(tiny_model: Model, tiny_tensors: d
         assert_matches_reference(step, naive_logits(TINY, tiny_tensors, tokens)[-1])
 
 
+@pytest.mark.parametrize("attention", ["numba", "numpy"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_batched_decode_over_scattered_tables_equals_one_by_one(tiny_model: Model, monkeypatch: pytest.MonkeyPatch,
-                                                                threads: int) -> None:
-    """One step over 10 sequences whose blocks interleave in the pool equals each decoding alone in its own cache."""
+                                                                threads: int, attention: str) -> None:
+    """One step over 10 sequences whose blocks interleave in the pool equals each decoding alone in its own cache
+    (the kernel's one call, and numpy's tasks split over the threads)."""
     monkeypatch.setattr(model_module, "attention_threads", lambda: threads)
     monkeypatch.setattr(model_module, "PARALLEL_MIN_KEYS", 0)
     rng = np.random.default_rng(7)
@@ -63,7 +65,7 @@ def test_batched_decode_over_scattered_tables_equals_one_by_one(tiny_model: Mode
     caches = [pool.allocate(40) for _ in histories]
     forward(tiny_model, [Segment(np.array(h), c, 0) for c, h in zip(caches, histories)])  # type: ignore[arg-type]
     assert all(len(c.runs(c.capacity)) == c.blocks for c in caches)  # type: ignore[union-attr]
-    batched = forward(tiny_model, [Segment(np.array([7]), c, c.length) for c in caches])  # type: ignore[union-attr]
+    batched = forward(tiny_model, [Segment(np.array([7]), c, c.length) for c in caches], attention=attention)  # type: ignore[union-attr]
     for row, history in zip(batched, histories):
         alone = KVCache(TINY, 40)
         forward(tiny_model, [Segment(np.array(history), alone, 0)])
@@ -93,28 +95,31 @@ def test_shared_prefix_blocks_continue_like_a_full_prefill(tiny_model: Model, ti
 
 def test_key_tiles_and_query_blocks_match_the_reference(tiny_model: Model, tiny_tensors: dict,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The online softmax over many small key tiles (crossing block runs) equals the one-tile softmax."""
+    """The online softmax over many small key tiles (crossing block runs) equals the one-tile softmax (numpy's path:
+    the kernel has no tiles)."""
     monkeypatch.setattr("stack.engine.attention.KEY_BLOCK", 3)
     monkeypatch.setattr("stack.engine.attention.THIN_KEY_BLOCK", 5)
     monkeypatch.setattr("stack.engine.attention.QUERY_BLOCK", 4)
     monkeypatch.setattr("stack.engine.attention.THIN_QUERIES", 4)
     cache = scattered_pool().allocate(len(PROMPT) + 2)
     assert cache is not None
-    logits = forward(tiny_model, [Segment(np.array(PROMPT), cache, 0)], all_logits=True)[0]
+    logits = forward(tiny_model, [Segment(np.array(PROMPT), cache, 0)], all_logits=True, attention="numpy")[0]
     assert_matches_reference(logits, naive_logits(TINY, tiny_tensors, PROMPT))
-    step = forward(tiny_model, [Segment(np.array([11]), cache, cache.length)])[0]
+    step = forward(tiny_model, [Segment(np.array([11]), cache, cache.length)], attention="numpy")[0]
     assert_matches_reference(step, naive_logits(TINY, tiny_tensors, PROMPT + [11])[-1])
 
 
-def test_a_wrong_block_table_is_caught(tiny_model: Model, tiny_tensors: dict) -> None:
+@pytest.mark.parametrize("attention", ["numba", "numpy"])
+def test_a_wrong_block_table_is_caught(tiny_model: Model, tiny_tensors: dict, attention: str) -> None:
     """A table entry pointing at the wrong block (block 0's keys read twice, block 1's lost) makes the next decode
-    step disagree with the reference: attention really reads keys through the table. (Swapping two entries would
-    not show: attention is blind to the order of its keys, their positions are in the RoPE'd K.)"""
+    step disagree with the reference: attention (the kernel and numpy alike) really reads keys through the table.
+    (Swapping two entries would not show: attention is blind to the order of its keys, their positions are in the
+    RoPE'd K.)"""
     cache = scattered_pool().allocate(len(PROMPT) + 1)
     assert cache is not None
-    forward(tiny_model, [Segment(np.array(PROMPT), cache, 0)])
+    forward(tiny_model, [Segment(np.array(PROMPT), cache, 0)], attention="numpy")
     cache.table[1] = cache.table[0]
-    step = forward(tiny_model, [Segment(np.array([11]), cache, cache.length)])[0]
+    step = forward(tiny_model, [Segment(np.array([11]), cache, cache.length)], attention=attention)[0]
     with pytest.raises(AssertionError):
         assert_matches_reference(step, naive_logits(TINY, tiny_tensors, PROMPT + [11])[-1])
 
@@ -148,7 +153,7 @@ def test_long_prompt_scores_stay_tile_sized(tiny_model: Model, tiny_tensors: dic
 
     monkeypatch.setattr(attention_module, "online_softmax", recording)
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, 256, 120)]
-    logits = forward(tiny_model, [Segment(np.array(prompt), KVCache(TINY, 120), 0)], all_logits=True)[0]
+    logits = forward(tiny_model, [Segment(np.array(prompt), KVCache(TINY, 120), 0)], all_logits=True, attention="numpy")[0]
     G = TINY.n_heads // TINY.n_kv_heads
     assert max(sizes) <= 16 * G * 32 < 120 * 120
     assert_matches_reference(logits, naive_logits(TINY, tiny_tensors, prompt))

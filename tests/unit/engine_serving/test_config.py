@@ -124,6 +124,22 @@ def test_prefix_caching_env_overrides_the_file(tmp_path: Path) -> None:
         load_config(path, env={})
 
 
+def test_attention_defaults_to_the_kernel_and_pd_attention_switches_it(tmp_path: Path) -> None:
+    """attention is numba unless the file or PD_ATTENTION says numpy (the env wins); other values name their source."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"role": "decode"}))
+    assert load_config(path, env={})[0].attention == "numba"
+    assert load_config(path, env={"PD_ATTENTION": "numpy"})[0].attention == "numpy"
+    path.write_text(json.dumps({"role": "decode", "attention": "numpy"}))
+    assert load_config(path, env={})[0].attention == "numpy"
+    assert load_config(path, env={"PD_ATTENTION": "numba"})[0].attention == "numba"
+    with pytest.raises(ConfigError, match="PD_ATTENTION: must be numba or numpy, got 'cuda'"):
+        load_config(path, env={"PD_ATTENTION": "cuda"})
+    path.write_text(json.dumps({"attention": "flash"}))
+    with pytest.raises(ConfigError, match="attention"):
+        load_config(path, env={})
+
+
 @pytest.mark.parametrize("value", ["91x0", "70000", "-1"])
 def test_bad_kv_transfer_port_is_one_line_naming_the_variable(tmp_path: Path, capsys, monkeypatch, value: str) -> None:
     """A KV_TRANSFER_PORT that is not a port stops a decode engine: exit 2, `environment: KV_TRANSFER_PORT: …`."""
@@ -153,6 +169,26 @@ def test_shipped_configs_start_and_report_ignored_fields(tmp_path: Path) -> None
         assert probe(f"127.0.0.1:{engine.health_port}") == SERVING  # gRPC health after warm-up
         with urllib.request.urlopen(f"{engine.url}/health", timeout=5) as response:
             assert json.load(response)["kv_port"] == kv_port
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("arm", ["numba", "numpy"])
+def test_the_warm_up_readies_the_attention_before_serving(tmp_path: Path, arm: str) -> None:
+    """One engine.attention line, before service.ready: the kernel compiled (or loaded from numba's cache) by the
+    warm-up, not by the first request; or numpy, as PD_ATTENTION=numpy configures."""
+    engine = EngineProcess(tmp_path, "both", {"model": "tiny", "role": "both", "checkpoint": "dummy:tiny"},
+                           env={"PD_ATTENTION": arm})
+    try:
+        engine.wait_ready()
+        events = [line["event"] for line in engine.lines]
+        assert events.count("engine.attention") == 1 and events.index("engine.attention") < events.index("service.ready")
+        line = engine.events("engine.attention")[0]
+        assert line["attention"] == arm
+        if arm == "numba":
+            assert line["kernel_ms"] > 0 and isinstance(line["kernel_cached"], bool)
+        else:
+            assert line["reason"] == "configured"
     finally:
         engine.stop()
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
 
 from stack.common.sse import DONE, read_events
@@ -158,3 +159,22 @@ async def test_pd_pair_streams_the_same_constrained_json_as_colocated(trio: Trio
     assert pieces(disaggregated) == pieces(colocated)
     jsonschema.validate(json.loads("".join(text for text, _ in pieces(colocated))), schema)
     assert colocated[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_received_kv_decodes_alike_through_the_kernel_and_numpy(engine_client) -> None:
+    """PD: the KV a prefill pushes is decoded by the compiled kernel (attention numba) as by numpy (attention numpy):
+    the same greedy tokens, each token's logprob within 1e-4 (a prompt over many 4-token blocks)."""
+    prefill = await engine_client("prefill", block_size=4)
+    decodes = {arm: await engine_client("decode", block_size=4, attention=arm) for arm in ("numba", "numpy")}
+    body = {"model": "tiny", "prompt": "the KV cache moves from prefill to decode, block by block", "max_tokens": 12,
+            "temperature": 0, "logprobs": 1}
+    got = {}
+    for arm, decode in decodes.items():
+        leg = body | {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "transfer_id": f"k-{arm}",
+                                                              "decode_kv_addr": decode.kv_addr}}
+        prefilled = await (await prefill.client.post("/v1/completions", json=leg)).json()
+        answer = await decode.client.post("/v1/completions", json=body | {"kv_transfer_params": prefilled["kv_transfer_params"]})
+        assert answer.status == 200, await answer.text()
+        got[arm] = (await answer.json())["choices"][0]["logprobs"]
+    assert got["numba"]["tokens"] == got["numpy"]["tokens"] and len(got["numba"]["tokens"]) == 12
+    np.testing.assert_allclose(got["numba"]["token_logprobs"], got["numpy"]["token_logprobs"], rtol=0, atol=1e-4)

@@ -1,0 +1,111 @@
+"""Which segments of a step the compiled kernel attends (kernels.py), and the one call per layer that does it.
+
+A step's thin segments (T * G < THIN_QUERIES: every decode token, and a short prompt tail) that share a KV
+pool form one `DecodeBatch`: their rows of the step's queries, block tables and start positions as arrays,
+built once per step (the tables are the same in every layer). `attend` runs the kernel over a batch for one
+layer; the kernel spreads its (segment, KV head) tasks over `threads` cores itself, replacing forward's
+thread-pool split for those segments. Longer segments (prefill chunks) keep attention.py's numpy path.
+
+`kernel()` compiles the kernel (or loads it from numba's cache) the first time it is asked, which the
+engine's warm-up does before health says SERVING, and logs once which attention the process runs:
+without numba it logs a warning and answers None, and the engine stays on numpy.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import get_args
+
+import numpy as np
+
+from stack.common import events
+from stack.common.logging import log_event
+from stack.engine import attention as attn_kernels
+from stack.engine.config import Attention
+from stack.engine.kv_cache import KVCache, KVPool
+
+ATTENTION = get_args(Attention)  # the kernel (default) | attention.py, the reference (engine config `attention`)
+# numba's workqueue threading layer is in every numba wheel (omp needs the system's libgomp, tbb a wheel of its
+# own): the same layer in the image and on the host, and its idle threads sleep instead of spinning against
+# BLAS's. It aborts the process on two concurrent launches, hence one launch at a time (two engines' step
+# threads in one test process; an engine has one step thread).
+THREADING_LAYER = "workqueue"
+_LAUNCH = threading.Lock()
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """Thin segments of one step that share a pool, as the arrays the kernel reads."""
+
+    pool: KVPool
+    segments: tuple[int, ...]  # their indices in the step
+    rows: np.ndarray  # (R,) int64 their query rows in the step's (N, H, hd) queries, segment by segment
+    offsets: np.ndarray  # (B + 1,) int64 segment b's queries are rows [offsets[b], offsets[b+1]) of the kernel's
+    tables: np.ndarray  # (B, blocks) int64 block tables, cut to the blocks the step reads (0-padded)
+    starts: np.ndarray  # (B,) int64 start_pos of each
+
+
+def decode_batches(caches: list[KVCache], starts: list[int], lengths: list[int], group_size: int) -> list[DecodeBatch]:
+    """The thin ones of a step's segments (segment j: `lengths[j]` new tokens at `starts[j]` in `caches[j]`, its
+    queries the next rows of the step's), grouped by pool (an engine has one; tests build private ones)."""
+    offsets = np.cumsum([0, *lengths])  # (segments + 1,) row where each segment's queries start
+    by_pool: dict[int, list[int]] = {}
+    for j, (cache, T) in enumerate(zip(caches, lengths)):
+        if T * group_size < attn_kernels.THIN_QUERIES:
+            by_pool.setdefault(id(cache.pool), []).append(j)
+    batches = []
+    for members in by_pool.values():
+        pool = caches[members[0]].pool
+        blocks = [pool.blocks_for(starts[j] + lengths[j]) for j in members]
+        tables = np.zeros((len(members), max(blocks)), np.int64)  # (B, blocks)
+        for i, (j, n) in enumerate(zip(members, blocks)):
+            tables[i, :n] = caches[j].table[:n]
+        rows = np.concatenate([np.arange(offsets[j], offsets[j + 1], dtype=np.int64) for j in members])  # (R,)
+        own = np.cumsum([0, *(lengths[j] for j in members)]).astype(np.int64)  # (B + 1,)
+        first = np.array([starts[j] for j in members], np.int64)  # (B,)
+        batches.append(DecodeBatch(pool, tuple(members), rows, own, tables, first))
+    return batches
+
+
+def attend(batch: DecodeBatch, layer: int, q: np.ndarray, out: np.ndarray, threads: int) -> None:
+    """out[batch.rows] = causal attention of q[batch.rows] over layer `layer` of the batch's KV, on `threads`
+    cores. q, out: (N, H, hd), unscaled queries (scaled here as attention.attention scales them)."""
+    import numba
+
+    kernel = compiled()
+    assert kernel is not None, "attend needs the compiled kernel: check compiled() first"
+    hd = q.shape[-1]
+    scaled = q[batch.rows] * np.float32(hd**-0.5)  # (R, H, hd) a contiguous copy
+    result = np.empty_like(scaled)  # (R, H, hd)
+    with _LAUNCH:
+        numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))  # per calling thread
+        kernel(scaled, batch.pool.k[layer], batch.pool.v[layer], batch.tables, batch.starts, batch.offsets, result)
+    out[batch.rows] = result
+
+
+@lru_cache(maxsize=1)
+def compiled() -> Callable[..., None] | None:
+    """The compiled kernel (compiled, or loaded from numba's cache, on the first call; logged once), or None when
+    numba cannot be imported (logged once as a warning: the engine runs attention.py)."""
+    try:
+        import numba
+
+        from stack.engine import kernels
+    except ImportError as exc:
+        log_event(events.ENGINE_ATTENTION, f"numba cannot be imported ({exc}): decode attention runs on numpy",
+                  "WARNING", attention="numpy", reason="numba_missing")
+        return None
+    if "NUMBA_THREADING_LAYER" not in os.environ:  # an operator's choice wins
+        numba.config.THREADING_LAYER = THREADING_LAYER
+    try:
+        kernel, seconds, cached = kernels.compile_kernel(cache=True)
+    except RuntimeError:  # no writable cache directory (a read-only root filesystem): compile in memory
+        kernel, seconds, cached = kernels.compile_kernel(cache=False)
+    how = "loaded from numba's cache" if cached else "compiled"
+    log_event(events.ENGINE_ATTENTION, f"decode attention: the numba kernel, {how} in {seconds * 1000:.0f} ms",
+              attention="numba", kernel_ms=round(seconds * 1000, 1), kernel_cached=cached)
+    return kernel

@@ -1,0 +1,153 @@
+"""The compiled decode attention (kernels.py via batched_decode.py) gives attention.py's numbers: greedy tokens
+equal, logprobs within 1e-4, for one sequence, a mixed batch across block boundaries, a prefix-cached table and a
+short prompt tail; it really replaces the numpy path for decode segments, runs on attention_threads() cores, and
+the engine falls back to numpy when numba does not import. (That it reads the block table: test_paged.py's
+wrong-table test, run on both paths.)"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from stack.common.logging import setup_logging
+
+from stack.engine import attention as attention_module
+from stack.engine import batched_decode
+from stack.engine import model as model_module
+from stack.engine.kv_cache import KVCache, KVPool
+from stack.engine.model import Model, Segment, forward
+
+from .reference import TINY, naive_logits
+from .test_paged import BS, PROMPT, assert_matches_reference, scattered_pool
+
+
+def both_ways(model: Model, segments: list[Segment]) -> tuple[np.ndarray, np.ndarray]:
+    """One step's last-token logits through the kernel and through numpy, from the same cache state (the step writes
+    the same K/V either way; lengths are rewound in between)."""
+    lengths = [s.cache.length for s in segments]
+    kernel = forward(model, segments, attention="numba")
+    for s, n in zip(segments, lengths):
+        s.cache.length = n
+    return kernel, forward(model, segments, attention="numpy")
+
+
+def test_one_sequence_decodes_like_numpy_and_the_reference(tiny_model: Model, tiny_tensors: dict) -> None:
+    """Prefill then greedy decode steps over scattered blocks: the kernel's logits equal numpy's and the naive
+    reference's at every step."""
+    cache = scattered_pool().allocate(len(PROMPT) + 6)
+    assert cache is not None
+    logits = forward(tiny_model, [Segment(np.array(PROMPT), cache, 0)], attention="numpy")[0]
+    tokens = list(PROMPT)
+    for _ in range(5):
+        tokens.append(int(logits.argmax()))  # greedy
+        kernel, numpy = both_ways(tiny_model, [Segment(np.array(tokens[-1:]), cache, cache.length)])
+        assert_matches_reference(kernel, numpy)
+        assert_matches_reference(kernel[0], naive_logits(TINY, tiny_tensors, tokens)[-1])
+        logits = kernel[0]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_mixed_batch_across_block_boundaries_matches_numpy(tiny_model: Model, monkeypatch: pytest.MonkeyPatch,
+                                                             threads: int) -> None:
+    """One kernel call per layer over 12 sequences of 1 to 61 tokens whose single-block runs interleave in the pool
+    (each crosses a different number of block boundaries, some sit exactly on one) equals numpy's step."""
+    monkeypatch.setattr(model_module, "attention_threads", lambda: threads)
+    rng = np.random.default_rng(11)
+    lengths = [1, 3, 4, 5, 8, 15, 16, 17, 31, 32, 33, 61]
+    pool = scattered_pool(300)
+    caches = [pool.allocate(n + 1) for n in lengths]
+    for cache, n in zip(caches, lengths):
+        assert cache is not None
+        forward(tiny_model, [Segment(rng.integers(0, 256, n), cache, 0)], attention="numpy")
+    new_tokens = rng.integers(0, 256, len(caches))
+    segments = [Segment(np.array([int(t)]), c, c.length) for c, t in zip(caches, new_tokens)]  # type: ignore[arg-type]
+    kernel, numpy = both_ways(tiny_model, segments)
+    assert_matches_reference(kernel, numpy)
+    import numba
+
+    # the kernel ran on attention_threads() cores (numba's count is per calling thread)
+    assert numba.get_num_threads() == min(threads, numba.config.NUMBA_NUM_THREADS)
+
+
+def test_a_prefix_cached_table_decodes_like_numpy(tiny_model: Model, tiny_tensors: dict) -> None:
+    """A table that starts with another sequence's cached blocks (shared by reference) decodes through the kernel as
+    the reference says, the shared blocks read where the first sequence wrote them."""
+    pool = scattered_pool()
+    first = pool.allocate(len(PROMPT))
+    assert first is not None
+    forward(tiny_model, [Segment(np.array(PROMPT), first, 0)], attention="numpy")
+    second = pool.allocate(len(PROMPT) + 4, first.table[:4].tolist())
+    assert second is not None
+    second.set_length(4 * BS)
+    tail = PROMPT[4 * BS :] + [9]
+    forward(tiny_model, [Segment(np.array(tail), second, 4 * BS)], attention="numpy")
+    kernel, numpy = both_ways(tiny_model, [Segment(np.array([42]), second, second.length)])
+    assert_matches_reference(kernel, numpy)
+    assert_matches_reference(kernel[0], naive_logits(TINY, tiny_tensors, PROMPT + [9, 42])[-1])
+
+
+def test_a_short_prompt_tail_is_causal_in_the_kernel(tiny_model: Model, tiny_tensors: dict) -> None:
+    """A thin segment of several tokens (a prompt tail after a prefix hit, T * G < THIN_QUERIES) goes through the
+    kernel too: each of its queries sees only the keys up to its own position."""
+    cache = scattered_pool().allocate(len(PROMPT))
+    assert cache is not None
+    forward(tiny_model, [Segment(np.array(PROMPT[:10]), cache, 0)], attention="numpy")
+    tail = Segment(np.array(PROMPT[10:]), cache, 10)
+    assert len(PROMPT[10:]) * TINY.n_heads // TINY.n_kv_heads < attention_module.THIN_QUERIES
+    logits = forward(tiny_model, [tail], all_logits=True, attention="numba")[0]
+    assert_matches_reference(logits, naive_logits(TINY, tiny_tensors, PROMPT)[10:])
+
+
+def test_decode_segments_skip_the_numpy_path(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the kernel on, a step of decodes beside a prefill chunk calls attention.py only for the chunk's query
+    blocks; with attention="numpy" for every segment."""
+    calls: list[int] = []
+    reference = attention_module.attention
+
+    def counting(q, runs, start_pos):  # type: ignore[no-untyped-def]
+        calls.append(len(q))
+        return reference(q, runs, start_pos)
+
+    monkeypatch.setattr(attention_module, "attention", counting)
+    pool = KVPool(TINY, 4096 * TINY.kv_bytes_per_token, BS)
+    decodes = [pool.allocate(20) for _ in range(3)]
+    for cache in decodes:
+        forward(tiny_model, [Segment(np.arange(10), cache, 0)], attention="numpy")  # type: ignore[arg-type]
+    chunk_cache = pool.allocate(100)
+    step = [Segment(np.array([5]), c, 10) for c in decodes]  # type: ignore[arg-type]
+    step.append(Segment(np.arange(100) % 256, chunk_cache, 0))  # type: ignore[arg-type]
+    calls.clear()
+    forward(tiny_model, step, attention="numba")
+    assert calls == [100] * TINY.n_layers  # the chunk only: one query block per layer
+    for cache in decodes:
+        cache.length = 10  # type: ignore[union-attr]
+    chunk_cache.length = 0  # type: ignore[union-attr]
+    calls.clear()
+    forward(tiny_model, step, attention="numpy")
+    assert sorted(calls) == sorted([1, 1, 1, 100] * TINY.n_layers)
+
+
+def test_without_numba_the_engine_runs_numpy_and_says_so_once(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """numba not importable: compiled() answers None after one engine.attention warning (reason numba_missing) and
+    forward with attention="numba" gives numpy's logits."""
+    monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError
+    monkeypatch.setitem(sys.modules, "stack.engine.kernels", None)
+    batched_decode.compiled.cache_clear()
+    sink = io.StringIO()
+    setup_logging("engine-test", sink=sink)
+    try:
+        cache = KVCache(TINY, 8)
+        got = forward(tiny_model, [Segment(np.arange(5), cache, 0)], attention="numba")
+        cache.length = 0
+        assert batched_decode.compiled() is None
+        np.testing.assert_array_equal(got, forward(tiny_model, [Segment(np.arange(5), cache, 0)], attention="numpy"))
+    finally:
+        setup_logging("engine-test")
+        batched_decode.compiled.cache_clear()
+    lines = [json.loads(line) for line in sink.getvalue().splitlines() if '"engine.attention"' in line]
+    assert len(lines) == 1
+    assert (lines[0]["level"], lines[0]["attention"], lines[0]["reason"]) == ("WARNING", "numpy", "numba_missing")
