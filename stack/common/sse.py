@@ -63,9 +63,9 @@ async def send_event(stream: web.StreamResponse, data: dict[str, Any] | str, eve
 
 
 async def send_done(stream: web.StreamResponse) -> None:
-    """Terminate an OpenAI-style stream with `data: [DONE]` and close it."""
-    await stream.write(frame(DONE))
-    await stream.write_eof()
+    """Terminate an OpenAI-style stream with `data: [DONE]` and close it, in one write: a reader that gets [DONE]
+    has the body's end with it, so the router can give the connection back to its pool (pd.py)."""
+    await stream.write_eof(frame(DONE))
 
 
 async def read_events(content: StreamReader) -> AsyncIterator[tuple[str | None, str]]:
