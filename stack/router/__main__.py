@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         log_event(events.CONFIG_INVALID, str(exc), "ERROR", file=exc.file, key=exc.key, problem=exc.problem)
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    # The cyclic collector was a tenth of the router's CPU per request (perf, PD; docs/router-performance.md).
+    # The cyclic collector was one of the largest items in a perf profile of PD requests (docs/router-performance.md).
     # Everything made so far (modules, the app) lives as long as the process: collected once, then frozen out of the
     # collector's walks. And a young collection every 10,000 new objects instead of 700: with many requests in flight,
     # frequent ones promoted their live objects to the older generations, which are walked again and again.
