@@ -10,7 +10,7 @@ import pytest
 from stack.common.errors import UpstreamError
 from stack.router.relay import Passthrough, token_frame
 from tests.unit.router_pd.conftest import typed
-from tests.unit.router_pd.fake_engine import Faults, chunk_text
+from tests.unit.router_pd.fake_engine import Faults, chunk_text, vllm_capture
 
 BASE = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "engine/m"}
 
@@ -49,6 +49,17 @@ def test_ordinary_token_chunks_are_told_by_their_bytes(data: bytes) -> None:
 def test_anything_else_is_parsed(data: bytes) -> None:
     """Finish, usage, errors, doubts and what is not an object go to the parser."""
     assert not token_frame(data)
+
+
+def test_a_captured_vllm_stream_passes_through_but_for_its_finish_and_usage() -> None:
+    """vLLM's own decode stream (captured, fixtures/): every chunk before the finishing one goes on as bytes with the
+    client's model id; the finishing chunk and the usage chunk are parsed."""
+    wire = vllm_capture("vllm_nixl_prefill")["decode_stream"]
+    frames = [block.removeprefix("data: ").encode() for block in wire.split("\n\n") if block.startswith("data: {")]
+    take = Passthrough(json.loads(frames[0])["model"], "public-id").take
+    relayed = [take(frame) for frame in frames]
+    assert [data is not None for data in relayed] == [True] * (len(frames) - 2) + [False, False]
+    assert [json.loads(data) for data in relayed[:-2]] == [{**json.loads(frame), "model": "public-id"} for frame in frames[:-2]]
 
 
 def test_passthrough_swaps_the_model_id_only_where_it_is_certain() -> None:
