@@ -65,10 +65,10 @@ def _backend_app(tokens: int, pace_ms: float) -> web.Application:
         await response.prepare(request)
         if not pace_ms:
             await response.write(b"".join(frames))
-        for data in frames if pace_ms else ():
+        for data in frames[:-1] if pace_ms else ():
             await response.write(data)
             await asyncio.sleep(pace_ms / 1000)
-        await response.write_eof()
+        await response.write_eof(frames[-1] if pace_ms else b"")  # [DONE] with the body's end, as an engine sends it
         return response
 
     async def models(_request: web.Request) -> web.Response:

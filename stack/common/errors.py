@@ -9,7 +9,6 @@ in the logging context and echoes it on the response.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 from aiohttp import web
 from loguru import logger
 
-from stack.common import events
+from stack.common import events, json_text
 from stack.common.logging import REQUEST_ID, log_event, request_context
 
 REQUEST_ID_HEADER = "X-Request-ID"
@@ -124,7 +123,7 @@ Renderer = Callable[[web.Request, APIError], dict[str, Any]]
 
 def error_response(request: web.Request, err: APIError, render: Renderer = lambda _r, e: openai_error_body(e)) -> web.Response:
     headers = {REQUEST_ID_HEADER: request.get(REQUEST_ID, "-"), **err.headers}
-    return web.json_response(render(request, err), status=err.status, headers=headers, dumps=json.dumps)
+    return web.json_response(render(request, err), status=err.status, headers=headers, dumps=json_text.dumps)
 
 
 def error_middleware(render: Renderer = lambda _r, e: openai_error_body(e)) -> Callable:

@@ -6,20 +6,22 @@ streams end with their own terminal event and no `[DONE]`).
 
 Reading: `async for event, data in read_events(response.content)` yields `(event name or None,
 data string)` per frame; the caller decides whether `data` is JSON or `[DONE]`.
-`read_event_batches` yields the same frames grouped by network read, for a relay that forwards
-what arrived together in one write.
+`read_event_batches` yields the same frames grouped by network read, their data as bytes, for a relay
+that forwards what arrived together in one write (and forwards a frame it need not read undecoded).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import StreamReader, web
 
+from stack.common.json_text import make
+
 
 DONE = "[DONE]"
+DONE_DATA = DONE.encode()  # the same, as read_event_batches yields it
 
 
 async def open_stream(request: web.Request, headers: dict[str, str] | None = None) -> web.StreamResponse:
@@ -37,22 +39,22 @@ async def open_stream(request: web.Request, headers: dict[str, str] | None = Non
     return response
 
 
-_COMPACT = json.JSONEncoder(default=str, separators=(",", ":"), ensure_ascii=False)
-_ASCII = json.JSONEncoder(default=str, separators=(",", ":"))
+_COMPACT = make(ensure_ascii=False, compact=True, default=str)
+_ASCII = make(ensure_ascii=True, compact=True, default=str)
 
 
-def _dumps(value: Any) -> bytes:
+def dumps(value: Any) -> bytes:
     """Compact UTF-8 JSON; a lone surrogate (a client's \\ud800 echoed back) cannot be UTF-8, so that frame is
     written with ASCII escapes instead of failing. (orjson measured no different here: docs/router-performance.md.)"""
     try:
-        return _COMPACT.encode(value).encode()
+        return _COMPACT(value).encode()
     except UnicodeEncodeError:
-        return _ASCII.encode(value).encode()
+        return _ASCII(value).encode()
 
 
 def frame(data: dict[str, Any] | str, event: str | None = None) -> bytes:
     """One SSE frame: optional `event:` line, one `data:` line, blank line."""
-    payload = data.encode() if isinstance(data, str) else _dumps(data)
+    payload = data.encode() if isinstance(data, str) else dumps(data)
     return b"".join((b"event: ", event.encode(), b"\ndata: ", payload, b"\n\n")) if event else b"data: " + payload + b"\n\n"
 
 
@@ -61,52 +63,57 @@ async def send_event(stream: web.StreamResponse, data: dict[str, Any] | str, eve
 
 
 async def send_done(stream: web.StreamResponse) -> None:
-    """Terminate an OpenAI-style stream with `data: [DONE]` and close it."""
-    await stream.write(frame(DONE))
-    await stream.write_eof()
+    """Terminate an OpenAI-style stream with `data: [DONE]` and close it, in one write: a reader that gets [DONE]
+    has the body's end with it, so the router can give the connection back to its pool (pd.py)."""
+    await stream.write_eof(frame(DONE))
 
 
 async def read_events(content: StreamReader) -> AsyncIterator[tuple[str | None, str]]:
-    """Parse SSE frames from an aiohttp response body as they arrive (see read_event_batches)."""
+    """Parse SSE frames from an aiohttp response body as they arrive (see read_event_batches), data as text."""
     async for batch in read_event_batches(content):
-        for item in batch:
-            yield item
+        for event, data in batch:
+            yield event, data.decode()
 
 
-async def read_event_batches(content: StreamReader) -> AsyncIterator[list[tuple[str | None, str]]]:
+async def read_event_batches(content: StreamReader) -> AsyncIterator[list[tuple[str | None, bytes]]]:
     """The frames of an aiohttp response body, as one non-empty list per network read that completed any.
 
+    Each frame is `(event name or None, data bytes)`: the data stays bytes so that a relay can forward a frame it
+    does not need to read without decoding it (stack/router/relay.py); it is checked to be UTF-8 all the same.
     Comment lines (`:` heartbeats) are skipped; multi-line `data:` fields are joined with `\\n`
     as the SSE spec says. A final frame without its blank line is still yielded.
     Reads whatever bytes have arrived and splits lines itself: one await per network read rather
     than one per line halves the router's per-token relay cost (see benchmarks/router.py).
     """
     event: str | None = None
-    data_lines: list[str] = []
+    data_lines: list[bytes] = []
     pending = b""  # an incomplete last line (possibly a split UTF-8 sequence) waits for more bytes
     async for block in content.iter_any():
         data = pending + block if pending else block
-        complete = data.rfind(b"\n") + 1  # b"\n" never occurs inside a UTF-8 sequence: the complete lines decode at once
+        complete = data.rfind(b"\n") + 1  # b"\n" never occurs inside a UTF-8 sequence: the complete lines are whole text
         pending = data[complete:]
-        batch: list[tuple[str | None, str]] = []
-        for line in data[:complete].decode("utf-8").split("\n")[:-1]:
-            line = line.rstrip("\r")
+        lines = data[:complete]
+        lines.decode("utf-8")  # bytes that are not UTF-8 fail here (UnicodeDecodeError), as when every frame was decoded
+        batch: list[tuple[str | None, bytes]] = []
+        for line in lines.split(b"\n")[:-1]:
+            line = line.rstrip(b"\r")
             if not line:
                 if data_lines:
-                    batch.append((event, "\n".join(data_lines)))
+                    batch.append((event, b"\n".join(data_lines)))
                 event, data_lines = None, []
-            elif line.startswith("data:"):
-                data_lines.append(line[5:].removeprefix(" "))
-            elif line.startswith(":"):
+            elif line.startswith(b"data:"):
+                data_lines.append(line[5:].removeprefix(b" "))
+            elif line.startswith(b":"):
                 continue
-            elif line.startswith("event:"):
-                event = line[6:].strip()
+            elif line.startswith(b"event:"):
+                event = line[6:].decode().strip()
         if batch:
             yield batch
-    line = pending.decode("utf-8").rstrip("\r")
-    if line.startswith("data:"):
-        data_lines.append(line[5:].removeprefix(" "))
-    elif line.startswith("event:"):
-        event = line[6:].strip()
+    pending.decode("utf-8")
+    line = pending.rstrip(b"\r")
+    if line.startswith(b"data:"):
+        data_lines.append(line[5:].removeprefix(b" "))
+    elif line.startswith(b"event:"):
+        event = line[6:].decode().strip()
     if data_lines:
-        yield [(event, "\n".join(data_lines))]
+        yield [(event, b"\n".join(data_lines))]

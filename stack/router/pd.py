@@ -1,6 +1,7 @@
 """The PD flow: pair, prefill leg, decode leg, relay.
 
-    complete(): decode answers one JSON body          stream(): decode's SSE chunks, yielded as lists of dicts
+    complete(): decode answers one JSON body          stream(): decode's SSE chunks, yielded as lists of dicts (raw_model:
+                                                      ordinary token chunks as their bytes, relay.Passthrough)
     _run, attempt n:   1. pairing.acquire_pair: a decode first, then a prefill running its model (pairing.py)
     _prefill:          2. POST P {max_tokens: 1, stream: false, the hand-off's kv_transfer_params}
                           (P failed: another P, same D; P could not hand its KV to D, or D has no room for it: a new pair)
@@ -29,7 +30,7 @@ import aiohttp
 from stack.common import events
 from stack.common.errors import UpstreamError, UpstreamTimeout
 from stack.common.logging import log_event
-from stack.common.sse import DONE, read_event_batches
+from stack.common.sse import DONE_DATA, read_event_batches
 from stack.protocol.types import Request
 from stack.router.deadlines import budgets
 from stack.router.fleet import Fleet
@@ -37,7 +38,7 @@ from stack.router.handoff import Handed, handed
 from stack.router.job import NO_HEADERS, Job
 from stack.router.metrics import Metrics
 from stack.router.pairing import Pair, Pairing, Tried
-from stack.router.relay import Leg, Tally, answer_chunks, parse_chunk, report_cached
+from stack.router.relay import Leg, Passthrough, Tally, answer_chunks, parse_chunk, report_cached
 from stack.router.upstream import LegFailed, exception_failure, open_stream, post_json, timeout
 
 
@@ -79,9 +80,12 @@ class PDClient:
         return answer
 
     async def stream(self, request_id: str, path: str, req: Request, body: dict[str, Any],
-                     headers: Mapping[str, str] = NO_HEADERS) -> AsyncIterator[list[dict[str, Any]]]:
+                     headers: Mapping[str, str] = NO_HEADERS, raw_model: str | None = None) -> AsyncIterator[list[dict[str, Any] | bytes]]:
         """4. Relay: yield the decode engine's chunks as dicts, in batches: the chunks of one network read, so the API
-        writes them in one send. Always ends with a usage chunk. `headers`: the client's (session affinity)."""
+        writes them in one send. Always ends with a usage chunk. `headers`: the client's (session affinity). `raw_model`:
+        for an API that forwards the engine's chunks as they are, an ordinary token chunk comes as its JSON bytes,
+        undecoded, with this model id in (relay.Passthrough); the first chunk, the finishing one, usage and errors are
+        parsed either way."""
         job, tried = self._job(request_id, path, req, body, headers, True)
         leg = await self._run_within_deadline(job, tried)
         tally = Tally(self.metrics, job.started)
@@ -91,13 +95,18 @@ class PDClient:
                 return
             assert leg.batches is not None and leg.first is not None, "stream leg opened without a first chunk"
             done = False
-            chunks, frames = [leg.first], leg.rest
+            passthrough = Passthrough(leg.first.get("model"), raw_model) if raw_model is not None else None
+            chunks: list[dict[str, Any] | bytes] = [leg.first]
+            frames = leg.rest
             while True:
                 bad: Exception | None = None  # a bad frame fails the stream after the good ones before it
                 for data in frames:
-                    if data == DONE:
+                    if data == DONE_DATA:
                         done = True
                         break
+                    if passthrough is not None and (relayed := passthrough.take(data)) is not None:
+                        chunks.append(relayed)
+                        continue
                     try:
                         chunks.append(parse_chunk(leg.decode, data))
                     except (LegFailed, ValueError) as exc:
@@ -248,8 +257,8 @@ class PDClient:
                     max(self.settings.idle_timeout_ms, round(first_chunk_s * 1000)))
                 response = await open_stream(self.fleet.session, decode, job.path, body, leg_id, stream_timeout)
                 batches = aiter(read_event_batches(response.content))
-                frames = [data for _event, data in await anext(batches, [(None, DONE)])]
-                if frames[0] == DONE:
+                frames = [data for _event, data in await anext(batches, [(None, DONE_DATA)])]
+                if frames[0] == DONE_DATA:
                     raise LegFailed(UpstreamError("the decode engine closed the stream before its first chunk"), retryable=True)
                 first = parse_chunk(decode, frames[0])
         except BaseException as exc:

@@ -1,6 +1,13 @@
 """What the relay (pd.py `PDClient.stream`) reads and writes: the answered decode leg, its stream's frames checked
 (an engine's in-band error frame is the leg's failure) and counted, usage with cached_tokens as the prefill saw
 them (handoff.py), and a JSON answer as the chunks a stream would have carried.
+
+The fast path: most frames of a stream are ordinary token chunks (choices, none finished, no usage, no error), and
+an API that answers in the engine's own format (OpenAI chat/completions) forwards them unchanged but for the model
+id. `Passthrough` tells such a frame by its bytes (`token_frame`) and swaps the model id in place, so it is relayed
+without being decoded and encoded again (`PDClient.stream(raw_model=…)`). Every other frame (the first, the
+finishing one, the usage chunk, an error, anything unexpected) is parsed as before, so what is counted, charged,
+checked and logged is decided on parsed JSON as it always was; a token chunk needs no more than its count and time.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import aiohttp
 
 from stack.common import events
 from stack.common.logging import log_event
+from stack.common.sse import dumps
 from stack.router.backends import Backend
 from stack.router.metrics import Metrics
 from stack.router.upstream import EngineError, LegFailed, status_failure
@@ -27,13 +35,13 @@ class Leg:
     decode: Backend
     answer: dict[str, Any] | None = None
     response: aiohttp.ClientResponse | None = None
-    batches: AsyncIterator[list[tuple[str | None, str]]] | None = None  # the rest of the stream, per network read
+    batches: AsyncIterator[list[tuple[str | None, bytes]]] | None = None  # the rest of the stream, per network read
     first: dict[str, Any] | None = None  # the first chunk, checked before anything reached the client
-    rest: list[str] = field(default_factory=list)  # the other frames that arrived with the first
+    rest: list[bytes] = field(default_factory=list)  # the other frames' data that arrived with the first
     prefill_cached: int | None = None  # prompt tokens the prefill found in its prefix cache (what usage reports)
 
 
-def parse_chunk(decode: Backend, data: str) -> dict[str, Any]:
+def parse_chunk(decode: Backend, data: bytes) -> dict[str, Any]:
     """One SSE data frame of decode's stream; an in-band error frame (vLLM's) is the leg's failure."""
     chunk = json.loads(data)
     if not isinstance(chunk, dict):
@@ -42,10 +50,25 @@ def parse_chunk(decode: Backend, data: str) -> dict[str, Any]:
         error = chunk["error"]
         code = error.get("code") if isinstance(error, dict) else None  # vLLM: the HTTP status, an int
         status = code if isinstance(code, int) and not isinstance(code, bool) and code >= 400 else 502
+        text = data.decode()
         log_event(events.ROUTER_UPSTREAM_ERROR, f"decode {decode.url} sent an in-band error", "WARNING",
-                  backend=decode.url, role=decode.role, status=status, body=data[:2000])
-        raise status_failure(decode, status, EngineError.parse(data))
+                  backend=decode.url, role=decode.role, status=status, body=text[:2000])
+        raise status_failure(decode, status, EngineError.parse(text))
     return chunk
+
+
+_UNFINISHED = (b'"finish_reason":null', b'"finish_reason": null')  # compact (our engine, vLLM) or json.dumps' spacing
+
+
+def token_frame(data: bytes) -> bool:
+    """Is this frame an ordinary token chunk: an object whose every choice has `finish_reason` null, with no `usage`
+    and no `error`? Told from its bytes: inside a JSON string every quote is escaped, so a quoted name such as
+    `"usage"` in the bytes is a key (or a string value that is exactly that word, which only sends the frame to the
+    parser). Any doubt answers False, and the frame is parsed."""
+    if not (data.startswith(b'{"') and data.endswith(b"}")) or b'"usage"' in data or b'"error"' in data:
+        return False
+    finish = data.count(b'"finish_reason"')
+    return finish > 0 and finish == data.count(_UNFINISHED[0]) + data.count(_UNFINISHED[1])
 
 
 def report_cached(usage: Any, cached: int | None) -> None:
@@ -79,8 +102,29 @@ def answer_chunks(answer: dict[str, Any]) -> list[dict[str, Any]]:
     return chunks
 
 
+class Passthrough:
+    """Ordinary token frames for a relay that writes the engine's chunks as they are, with the client's model id."""
+
+    def __init__(self, engine_model: Any, model: str) -> None:
+        """`engine_model`: the id the engine wrote in its first chunk (parsed); `model`: the one the client asked for."""
+        value = dumps(engine_model) if isinstance(engine_model, str) else None
+        self.old = (b'"model":' + value, b'"model": ' + value) if value is not None else ()  # compact, or json.dumps' spacing
+        self.new = b'"model":' + dumps(model)
+
+    def take(self, data: bytes) -> bytes | None:
+        """The frame's data with the client's model id, or None: not a `token_frame`, or the swap is not certain (the
+        id not written as in the first chunk, or `"model"` more than once), so the caller parses it."""
+        if not token_frame(data) or data.count(b'"model"') != 1:
+            return None
+        for old in self.old:
+            if old in data:
+                return data.replace(old, self.new)
+        return None
+
+
 class Tally:
-    """What a relayed stream has shown so far: token chunks (ITL observed between them), finish, usage."""
+    """What a relayed stream has shown so far: token chunks (ITL observed between them), finish, usage. A chunk is a
+    parsed dict, or the bytes of a `token_frame` (one token chunk, unfinished, no usage)."""
 
     def __init__(self, metrics: Metrics, started: float) -> None:
         self.metrics = metrics
@@ -90,17 +134,23 @@ class Tally:
         self.finished = False
         self.usage: dict[str, Any] | None = None
 
-    def count(self, chunks: list[dict[str, Any]]) -> None:
+    def count(self, chunks: list[dict[str, Any] | bytes]) -> None:
         now = time.perf_counter()  # chunks of one batch arrived together: the gaps inside it are 0
         for chunk in chunks:
+            if isinstance(chunk, bytes):
+                self._token(now)
+                continue
             choices = chunk.get("choices")
             if choices:
-                if self.tokens:
-                    self.metrics.itl.observe(now - self.last)
-                else:
-                    self.first = now
-                self.tokens += 1
-                self.last = now
+                self._token(now)
                 self.finished = self.finished or bool(choices[0].get("finish_reason"))
             if chunk.get("usage"):
                 self.usage = chunk["usage"]
+
+    def _token(self, now: float) -> None:
+        if self.tokens:
+            self.metrics.itl.observe(now - self.last)
+        else:
+            self.first = now
+        self.tokens += 1
+        self.last = now

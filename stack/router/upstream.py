@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from stack.common import events
+from stack.common import events, json_text
 from stack.common.errors import (
     CLIENT_REQUEST_ID_HEADER,
     REQUEST_ID_HEADER,
@@ -157,13 +157,16 @@ def new_session(internal_key: str | None = None) -> aiohttp.ClientSession:
     """The one upstream session for the app's lifetime, tuned for a relay.
 
     No connection cap (the scheduler's max_concurrent is the limit; aiohttp's default pool of 100
-    would make requests wait unseen), keep-alive reuse, no total timeout (legs set their own).
+    would make requests wait unseen), keep-alive reuse, no total timeout (legs set their own), no
+    cookie jar (the session serves every client: a cookie an engine set must not ride along on another
+    client's request, and the jar's look-up costs every leg).
     `internal_key` (PD_INTERNAL_KEY) goes as `Authorization: Bearer …` on every engine request: legs,
     /tokenize, /v1/models, KV discovery (stack/common/internal_auth.py).
     """
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=60)
     headers = {"Authorization": f"Bearer {internal_key}"} if internal_key else None
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None), headers=headers)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None), headers=headers,
+                                 cookie_jar=aiohttp.DummyCookieJar())
 
 
 def timeout(connect_ms: int, total_ms: int | None = None, read_ms: int | None = None) -> aiohttp.ClientTimeout:
@@ -183,7 +186,7 @@ async def post_json(session: aiohttp.ClientSession, backend: Backend, path: str,
     client gone) or timed out, the connection is closed, not returned to the pool: the engine sees the disconnect."""
     response: aiohttp.ClientResponse | None = None
     try:
-        response = await session.post(backend.url + path, data=json.dumps(body).encode(), headers=_headers(request_id), timeout=client_timeout)
+        response = await session.post(backend.url + path, data=json_text.dumps(body).encode(), headers=_headers(request_id), timeout=client_timeout)
         if response.status >= 400:
             raise await response_failure(backend, response)
         data = json.loads(await response.read())  # engines answer UTF-8 JSON; skips charset sniffing
@@ -207,7 +210,7 @@ async def open_stream(session: aiohttp.ClientSession, backend: Backend, path: st
                       client_timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
     """POST a streamed leg and return the open 200 response (the caller reads and closes it)."""
     try:
-        response = await session.post(backend.url + path, data=json.dumps(body).encode(), headers=_headers(request_id), timeout=client_timeout)
+        response = await session.post(backend.url + path, data=json_text.dumps(body).encode(), headers=_headers(request_id), timeout=client_timeout)
     except Exception as exc:  # noqa: BLE001
         raise exception_failure(backend, exc, "stream start") from exc
     if response.status >= 400:

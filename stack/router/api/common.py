@@ -109,16 +109,17 @@ def deltas(chunk: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, An
 
 
 class Translator(Protocol):
-    """Turns the engine's chat/completion chunks into one API's SSE frames."""
+    """Turns the engine's chat/completion chunks into one API's SSE frames. A chunk is bytes (an ordinary token
+    chunk's JSON as the engine sent it) only for a translator whose stream asked for them (PDClient.stream(raw_model=…))."""
 
-    def chunk(self, chunk: dict[str, Any]) -> list[bytes]: ...
+    def chunk(self, chunk: Any) -> list[bytes]: ...
 
     def end(self) -> list[bytes]: ...  # the API's terminal frames after the last chunk
 
     def error(self, err: APIError) -> list[bytes]: ...  # in-band error frames, terminal too
 
 
-async def relay(request: web.Request, batches: AsyncIterator[list[dict[str, Any]]], translator: Translator) -> web.StreamResponse:
+async def relay(request: web.Request, batches: AsyncIterator[list[dict[str, Any] | bytes]], translator: Translator) -> web.StreamResponse:
     """Stream the chunk `batches` of PDClient.stream to the client through `translator`, one write per
     batch; every path ends the stream properly.
 
@@ -135,9 +136,12 @@ async def relay(request: web.Request, batches: AsyncIterator[list[dict[str, Any]
                 while batch is not None:
                     frames: list[bytes] = []
                     for chunk in batch:
-                        if chunk.get("usage"):
-                            charge(request, chunk["usage"])
-                        relayed += bool(chunk.get("choices"))
+                        if isinstance(chunk, bytes):  # a token chunk (relay.token_frame): no usage in it
+                            relayed += 1
+                        else:
+                            if chunk.get("usage"):
+                                charge(request, chunk["usage"])
+                            relayed += bool(chunk.get("choices"))
                         frames += translator.chunk(chunk)
                     if frames:
                         await stream.write(b"".join(frames))

@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from stack.common import events, sse
+from stack.common import events, json_text, sse
 from stack.common.errors import REQUEST_ID, APIError, InvalidRequest, openai_error_body
 from stack.common.logging import log_event
 from stack.protocol.capabilities import unsupported
@@ -45,6 +45,7 @@ _OPENAI_ONLY = {"user", "metadata", "store", "service_tier"}
 _CHAT_PARAMS = (FIELDS["chat"] - {"kv_transfer_params"}) | _OPENAI_ONLY | {
     "functions", "function_call", "modalities", "audio", "reasoning_effort", "prediction", "web_search_options"}
 _COMPLETION_PARAMS = (FIELDS["completion"] - {"kv_transfer_params"}) | _OPENAI_ONLY | {"echo", "best_of", "suffix"}
+_CHAT_KNOWN, _COMPLETION_KNOWN = _CHAT_PARAMS | VLLM_EXTRAS, _COMPLETION_PARAMS | VLLM_EXTRAS  # made once, not per request
 
 
 def _check_known(body: dict[str, Any], known: set[str] | frozenset[str]) -> None:
@@ -79,7 +80,7 @@ def _check_completion_only(f: Fields, vllm: bool) -> None:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
     body = await read_json(request)
-    _check_known(body, _CHAT_PARAMS | VLLM_EXTRAS)
+    _check_known(body, _CHAT_KNOWN)
     req = parse("chat", body)
     _check_chat_only(Fields(body))
     upstream = engine_body(request, req, "chat", vllm_extras(body))
@@ -90,7 +91,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions (legacy text completions)."""
     body = await read_json(request)
-    _check_known(body, _COMPLETION_PARAMS | VLLM_EXTRAS)
+    _check_known(body, _COMPLETION_KNOWN)
     req = parse("completion", body)
     vllm = request.app[PD].monitor.vllm_fields
     _check_completion_only(Fields(body), vllm)
@@ -105,18 +106,23 @@ async def _answer(request: web.Request, path: str, req: Request, upstream: dict[
     if not req.stream:
         result = await pd.complete(request[REQUEST_ID], path, req, upstream, request.headers)
         charge(request, result.get("usage"))
-        return web.json_response({**result, "model": req.model})
-    return await relay(request, pd.stream(request[REQUEST_ID], path, req, upstream, request.headers), _ChunkRelay(req.model, req.include_usage))
+        return web.json_response({**result, "model": req.model}, dumps=json_text.dumps)
+    # Ordinary token chunks come as the engine's bytes with the client's model id already in (relay.Passthrough).
+    batches = pd.stream(request[REQUEST_ID], path, req, upstream, request.headers, raw_model=req.model)
+    return await relay(request, batches, _ChunkRelay(req.model, req.include_usage))
 
 
 class _ChunkRelay:
-    """OpenAI chunks pass through with the public model id; usage only if asked; errors in-band."""
+    """OpenAI chunks pass through with the public model id; usage only if asked; errors in-band. A token chunk that
+    comes as bytes (PDClient.stream(raw_model=…)) is framed as it is."""
 
     def __init__(self, model: str, include_usage: bool) -> None:
         self.model = model
         self.include_usage = include_usage
 
-    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
+    def chunk(self, chunk: dict[str, Any] | bytes) -> list[bytes]:
+        if isinstance(chunk, bytes):
+            return [b"data: " + chunk + b"\n\n"]
         if not chunk.get("choices"):
             if not self.include_usage:
                 return []

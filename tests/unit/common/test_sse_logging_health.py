@@ -6,6 +6,8 @@ import asyncio
 import io
 import json
 import logging
+import re
+from datetime import datetime, timedelta, timezone
 
 from aiohttp import web
 
@@ -77,6 +79,38 @@ def test_stdlib_and_exception_lines_share_the_shape_and_levels_filter_both_paths
     assert lines[0]["msg"] == "Error handling request from 10.0.0.1" and lines[0]["logger"] == "aiohttp.server"
     assert lines[1]["exc"] == "RuntimeError: boom"
     assert all(line["ts"].endswith("Z") for line in lines)
+
+
+def test_a_line_is_the_bytes_json_dumps_gave_for_the_whole_line() -> None:
+    """The writer quotes a line's own keys and encodes only the fields, yet writes exactly what one json.dumps of the
+    whole line (its keys in order, UTF-8 kept) wrote; its time is the clock's, to the millisecond."""
+    sink = io.StringIO()
+    at = datetime(2026, 11, 29, 20, 31, 55, 123999, tzinfo=timezone.utc)
+    setup_logging("rou\"ter", sink=sink, clock=lambda: at)
+    with request_context('req "1" é', client_request_id="client\n2"):
+        log_event(events.ROUTER_SCHEDULED, 'prefill → decode "d"', prefill="http://p:1", decode="http://d:2", policy="load",
+                  mode="disaggregated", attempt=1, prefill_attempt=2)
+    log_event(events.SERVICE_STOPPING, "no fields, no client id")
+    expected = [
+        {"ts": "2026-11-29T20:31:55.123Z", "level": "INFO", "service": 'rou"ter', "event": "router.scheduled", "request_id": 'req "1" é',
+         "msg": 'prefill → decode "d"', "prefill": "http://p:1", "decode": "http://d:2", "policy": "load", "mode": "disaggregated",
+         "attempt": 1, "prefill_attempt": 2, "client_request_id": "client\n2"},
+        {"ts": "2026-11-29T20:31:55.123Z", "level": "INFO", "service": 'rou"ter', "event": "service.stopping", "request_id": "-",
+         "msg": "no fields, no client id"},
+    ]
+    assert sink.getvalue() == "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in expected)
+
+
+def test_the_default_clock_writes_utc_to_the_millisecond() -> None:
+    """Without a given clock, `ts` is now in UTC as `YYYY-MM-DDTHH:MM:SS.mmmZ`, within the calls' bounds."""
+    sink = io.StringIO()
+    setup_logging("router", sink=sink)
+    before = datetime.now(timezone.utc)
+    log_event(events.SERVICE_STOPPING, "now")
+    after = datetime.now(timezone.utc)
+    ts = json.loads(sink.getvalue())["ts"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", ts), ts
+    assert before - timedelta(milliseconds=1) <= datetime.fromisoformat(ts.replace("Z", "+00:00")) <= after  # ts is cut to the ms
 
 
 class _FlushCountingSink(io.StringIO):

@@ -8,7 +8,9 @@ colocated mode (prefill endpoint == decode endpoint: one plain request); PD end-
 prefill + decode engines lives in tests/unit/router_pd/.
 A user message containing "BREAK" makes the stand-in cut its stream after two chunks; one
 containing "HOLD" waits for `engine.release` before answering (to keep requests in flight); "SLOW"
-spaces its chunks 50 ms apart.
+spaces its chunks 50 ms apart; "INBAND" sends a vLLM-style in-band error frame after two chunks (then
+[DONE]); "SPACED" writes its frames with json.dumps' default spacing (the bytes tell a frame relayed
+undecoded from one re-encoded). `engine.frames` keeps every stream's data frames as sent.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class FakeEngine:
 
     def __init__(self) -> None:
         self.requests: list[dict[str, Any]] = []
+        self.frames: list[list[bytes]] = []  # per streamed answer, each data frame's bytes as sent
         self.release = asyncio.Event()
         self.app = web.Application()
         self.app.router.add_get("/v1/models", self.models)
@@ -73,17 +76,28 @@ class FakeEngine:
                                       "choices": [{**choice, "finish_reason": finish}], "usage": usage})
         response = await sse.open_stream(request)
         kind = "chat.completion.chunk" if chat else "text_completion"
+        sent: list[bytes] = []
+        self.frames.append(sent)
+
+        async def send(data: dict[str, Any]) -> None:
+            sent.append(json.dumps(data).encode() if "SPACED" in prompt else sse.dumps(data))
+            await response.write(b"data: " + sent[-1] + b"\n\n")
+
         for i, word in enumerate(WORDS[:n]):
             if i == 2 and "BREAK" in prompt:
                 request.transport.close()  # the engine dies mid-stream
+                return response
+            if i == 2 and "INBAND" in prompt:
+                await send({"error": {"message": "decode step failed (stand-in)", "type": "InternalServerError", "code": 500}})
+                await sse.send_done(response)
                 return response
             if "SLOW" in prompt:
                 await asyncio.sleep(0.05)
             choice = {"index": 0, "delta": {"content": word}} if chat else {"index": 0, "text": word}
             choice["finish_reason"] = finish if i == n - 1 else None
-            await sse.send_event(response, {**base, "object": kind, "choices": [choice]})
+            await send({**base, "object": kind, "choices": [choice]})
         if (body.get("stream_options") or {}).get("include_usage"):
-            await sse.send_event(response, {**base, "object": kind, "choices": [], "usage": usage})
+            await send({**base, "object": kind, "choices": [], "usage": usage})
         await sse.send_done(response)
         return response
 

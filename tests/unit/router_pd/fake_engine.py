@@ -62,6 +62,7 @@ class FakeEngine:
     decode_answer: dict[str, Any] | None = None  # a whole non-streamed decode answer to send as it is
     faults: Faults = field(default_factory=Faults)
     seen: list[dict[str, Any]] = field(default_factory=list)
+    peers: list[Any] = field(default_factory=list)  # each request's client address: which connection it came on
     prefill_answers: list[dict[str, Any]] = field(default_factory=list)  # every answer to a prefill leg, as sent
     disconnects: int = 0  # requests whose client (the router) went away before the answer was sent
     max_model_len: int | None = None  # the window /v1/models reports (vLLM's field), if any
@@ -122,6 +123,7 @@ class FakeEngine:
     async def _answer_request(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.seen.append({"headers": dict(request.headers), **body})
+        self.peers.append(request.transport.get_extra_info("peername") if request.transport else None)
         faults = self.faults
         if faults.delay_s:
             await asyncio.sleep(faults.delay_s)

@@ -110,6 +110,16 @@ async def test_a_burst_is_relayed_in_fewer_batches_than_chunks(fake, pd):
     assert len(batches) < 7  # 6 token chunks + the usage chunk, written at once, read in fewer pieces than one per chunk
 
 
+async def test_a_stream_read_to_its_end_gives_its_decode_connection_back(fake, pd):
+    """A decode stream read to its end ([DONE] and the body's end, written together) leaves its connection in the pool:
+    the next request's leg comes on the same one (a stream given up on closes it: test_stalled_decode_hits_the_idle_timeout,
+    test_pd_engines' client disconnect)."""
+    decode = await fake("decode")
+    client = await pd([await fake("prefill")], [decode])
+    assert chunk_text(await collect(client, "first")) == chunk_text(await collect(client, "second")) == "t0 t1 t2 t3 "
+    assert len(decode.peers) == 2 and decode.peers[0] == decode.peers[1]
+
+
 async def test_in_band_error_in_a_burst_comes_after_the_good_chunks(fake, pd, logs):
     """An engine's in-band error frame arriving together with good chunks: the caller gets those chunks first, then the error."""
     decode = await fake("decode", tokens=6, faults=Faults(burst=True, error_after_chunks=2))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from stack.common.sse import read_events
+import pytest
+
+from stack.common.sse import read_event_batches, read_events
 
 WIRE = ('event: delta\r\ndata: {"a": "é€"}\r\n\r\n: heartbeat\n\ndata: line one\ndata: line two\n\n'
         'data: {"b": 2}\n\ndata: [DONE]\n\ndata: tail-without-blank-line').encode()
@@ -32,3 +34,12 @@ async def test_frames_survive_every_split_point():
     for cut in range(1, len(WIRE)):
         assert await parse([WIRE[:cut], WIRE[cut:]]) == EXPECTED, f"split at byte {cut}"
     assert await parse([bytes([b]) for b in WIRE]) == EXPECTED
+
+
+async def test_the_relay_reads_data_as_bytes_and_still_refuses_what_is_not_utf8():
+    """The batches the relay reads carry each frame's data as the bytes that came (undecoded, so a token chunk can be
+    forwarded as it is), and bytes that are not UTF-8 still fail the read, as when every frame was decoded."""
+    batches = [batch async for batch in read_event_batches(Wire([WIRE]))]  # type: ignore[arg-type]
+    assert [frame for batch in batches for frame in batch] == [(event, data.encode()) for event, data in EXPECTED]
+    with pytest.raises(UnicodeDecodeError):
+        [batch async for batch in read_event_batches(Wire([b'data: {"a": "\xff"}\n\n']))]  # type: ignore[arg-type]

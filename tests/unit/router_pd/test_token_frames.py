@@ -1,0 +1,105 @@
+"""Which decode frames the OpenAI relay may forward undecoded (relay.token_frame, relay.Passthrough): only ordinary
+token chunks, told by their bytes; every doubt sends the frame to the parser."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stack.common.errors import UpstreamError
+from stack.router.relay import Passthrough, token_frame
+from tests.unit.router_pd.conftest import typed
+from tests.unit.router_pd.fake_engine import Faults, chunk_text, vllm_capture
+
+BASE = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "engine/m"}
+
+
+def chunk(content: str = "hi", finish: str | None = None, **extra) -> dict:
+    return {**BASE, "choices": [{"index": 0, "delta": {"content": content}, "logprobs": None, "finish_reason": finish}], **extra}
+
+
+def compact(value) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+@pytest.mark.parametrize("data", [
+    compact(chunk()),
+    json.dumps(chunk()).encode(),  # json.dumps' spacing
+    compact(chunk('he wrote "usage", "error" and "finish_reason": "stop"')),  # quoted words in text are escaped
+    compact({**BASE, "choices": [{"index": 1, "text": "é€", "finish_reason": None}]}),  # a text completion, n > 1
+])
+def test_ordinary_token_chunks_are_told_by_their_bytes(data: bytes) -> None:
+    """An object whose every choice is unfinished, without usage or error, is a token frame."""
+    assert token_frame(data)
+
+
+@pytest.mark.parametrize("data", [
+    compact(chunk(finish="stop")),  # the finishing chunk: the stream's end is decided on it
+    compact({**BASE, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}),
+    compact(chunk(usage=None)),  # a usage key, even null
+    compact({"error": {"message": "decode step failed", "code": 500}}),
+    compact(chunk("usage")),  # a text that is exactly a key's name: parsed (a doubt)
+    compact(chunk("a", finish=None) | {"choices": [chunk()["choices"][0], {"index": 1, "finish_reason": "length"}]}),
+    compact(BASE),  # no choices
+    b'{"id":"chatcmpl-1","choices":[{"finish_reason":null',  # cut short
+    b"[1, 2]",
+    b"not json",
+])
+def test_anything_else_is_parsed(data: bytes) -> None:
+    """Finish, usage, errors, doubts and what is not an object go to the parser."""
+    assert not token_frame(data)
+
+
+def test_a_captured_vllm_stream_passes_through_but_for_its_finish_and_usage() -> None:
+    """vLLM's own decode stream (captured, fixtures/): every chunk before the finishing one goes on as bytes with the
+    client's model id; the finishing chunk and the usage chunk are parsed."""
+    wire = vllm_capture("vllm_nixl_prefill")["decode_stream"]
+    frames = [block.removeprefix("data: ").encode() for block in wire.split("\n\n") if block.startswith("data: {")]
+    take = Passthrough(json.loads(frames[0])["model"], "public-id").take
+    relayed = [take(frame) for frame in frames]
+    assert [data is not None for data in relayed] == [True] * (len(frames) - 2) + [False, False]
+    assert [json.loads(data) for data in relayed[:-2]] == [{**json.loads(frame), "model": "public-id"} for frame in frames[:-2]]
+
+
+def test_passthrough_swaps_the_model_id_only_where_it_is_certain() -> None:
+    """The engine's id (learnt from the first chunk) becomes the client's, in either spacing; a frame naming another
+    id, or with "model" twice, is left to the parser."""
+    take = Passthrough("engine/m", "public-id").take
+    assert json.loads(take(compact(chunk()))) == {**chunk(), "model": "public-id"}
+    assert json.loads(take(json.dumps(chunk()).encode())) == {**chunk(), "model": "public-id"}
+    assert take(compact({**chunk(), "model": "other"})) is None
+    assert take(compact(chunk("model"))) is None
+    assert take(compact(chunk(finish="length"))) is None
+    assert Passthrough(None, "public-id").take(compact(chunk())) is None  # a first chunk without a model id
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}
+
+
+def as_dicts(chunks: list) -> list[dict]:
+    return [json.loads(c) if isinstance(c, bytes) else c for c in chunks]
+
+
+async def test_a_pd_stream_yields_token_chunks_as_bytes_and_parses_the_rest(fake, pd):
+    """Over prefill + decode, stream(raw_model=…) yields the token chunks between the first and the finishing one as
+    bytes carrying the client's model id; the first, finishing and usage chunks come parsed; together, the answer."""
+    client = await pd([await fake("prefill")], [await fake("decode", tokens=6, faults=Faults(burst=True))])
+    chunks = [c async for batch in client.stream("raw", "/v1/chat/completions", *typed(dict(CHAT)), raw_model="public")
+              for c in batch]
+    assert [type(c).__name__ for c in chunks] == ["dict"] + ["bytes"] * 4 + ["dict", "dict"]
+    parsed = as_dicts(chunks)
+    assert chunk_text(parsed) == "t0 t1 t2 t3 t4 t5 " and parsed[-1]["usage"]["completion_tokens"] == 6
+    assert {c["model"] for c in parsed[1:5]} == {"public"}
+
+
+async def test_an_error_frame_after_bytes_chunks_fails_the_stream_after_them(fake, pd, logs):
+    """An in-band error frame behind token chunks relayed as bytes: the caller gets those chunks, then the error."""
+    decode = await fake("decode", tokens=6, faults=Faults(burst=True, error_after_chunks=3))
+    client = await pd([await fake("prefill")], [decode])
+    got: list = []
+    with pytest.raises(UpstreamError, match="decode step failed"):
+        async for batch in client.stream("rawe", "/v1/chat/completions", *typed(dict(CHAT)), raw_model="public"):
+            got += batch
+    assert [type(c).__name__ for c in got] == ["dict", "bytes", "bytes"] and chunk_text(as_dicts(got)) == "t0 t1 t2 "
+    assert logs.events("router.decode_failed")[-1]["mid_stream"] is True
