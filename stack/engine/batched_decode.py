@@ -1,7 +1,7 @@
 """Which segments of a step the compiled kernel attends (kernels.py), and the one call per layer that does it.
 
 A step's thin segments (T * G < THIN_QUERIES: every decode token, and a short prompt tail) that share a KV
-pool form one `DecodeBatch`: their rows of the step's queries, block tables and start positions as arrays,
+pool, at least MIN_SEGMENTS of them, form one `DecodeBatch`: their rows of the step's queries, block tables and start positions as arrays,
 built once per step (the tables are the same in every layer). `attend` runs the kernel over a batch for one
 layer; the kernel spreads its (segment, KV head) tasks over `threads` cores itself, replacing forward's
 thread-pool split for those segments. Longer segments (prefill chunks) keep attention.py's numpy path.
@@ -35,6 +35,11 @@ ATTENTION = get_args(Attention)  # the kernel (default) | attention.py, the refe
 # threads in one test process; an engine has one step thread).
 THREADING_LAYER = "workqueue"
 _LAUNCH = threading.Lock()
+# Thin segments a pool needs in a step before the kernel takes them. A lone decode is one (segment, KV head) task
+# per KV head, too few to spread, while numpy's K @ q streams its cache through BLAS: measured on a quiet 2-core
+# machine (benchmarks.engine --attention numba,numpy), batch 1 ran 0.79x vs numpy's 0.85x of its bound at context
+# 800 and 0.38x vs 0.56x at 8k, while batch 8 ran 0.48x vs 0.31x and batch 32 at 8k 0.40x vs 0.25x.
+MIN_SEGMENTS = 2
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,7 @@ def decode_batches(caches: list[KVCache], starts: list[int], lengths: list[int],
         if T * group_size < attn_kernels.THIN_QUERIES:
             by_pool.setdefault(id(cache.pool), []).append(j)
     batches = []
-    for members in by_pool.values():
+    for members in (m for m in by_pool.values() if len(m) >= MIN_SEGMENTS):
         pool = caches[members[0]].pool
         blocks = [pool.blocks_for(starts[j] + lengths[j]) for j in members]
         tables = np.zeros((len(members), max(blocks)), np.int64)  # (B, blocks)

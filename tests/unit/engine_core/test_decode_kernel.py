@@ -25,6 +25,16 @@ from .reference import TINY, naive_logits
 from .test_paged import BS, PROMPT, assert_matches_reference, scattered_pool
 
 
+SHIPPED_MIN_SEGMENTS = batched_decode.MIN_SEGMENTS
+
+
+@pytest.fixture(autouse=True)
+def kernel_for_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests compare the kernel's numbers, a lone sequence's too: it takes every thin segment here.
+    Which steps it takes as shipped: test_a_lone_decode_stays_on_numpy_and_two_take_the_kernel."""
+    monkeypatch.setattr(batched_decode, "MIN_SEGMENTS", 1)
+
+
 def both_ways(model: Model, segments: list[Segment]) -> tuple[np.ndarray, np.ndarray]:
     """One step's last-token logits through the kernel and through numpy, from the same cache state (the step writes
     the same K/V either way; lengths are rewound in between)."""
@@ -151,3 +161,24 @@ def test_without_numba_the_engine_runs_numpy_and_says_so_once(tiny_model: Model,
     lines = [json.loads(line) for line in sink.getvalue().splitlines() if '"engine.attention"' in line]
     assert len(lines) == 1
     assert (lines[0]["level"], lines[0]["attention"], lines[0]["reason"]) == ("WARNING", "numpy", "numba_missing")
+
+
+def test_a_lone_decode_stays_on_numpy_and_two_take_the_kernel(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As shipped (MIN_SEGMENTS 2: a lone sequence's attention is faster through numpy's BLAS, batched_decode.py),
+    one decode segment goes to attention.py and a step of two goes to the kernel alone."""
+    monkeypatch.setattr(batched_decode, "MIN_SEGMENTS", SHIPPED_MIN_SEGMENTS)
+    assert SHIPPED_MIN_SEGMENTS == 2
+    calls: list[int] = []
+    reference = attention_module.attention
+    monkeypatch.setattr(attention_module, "attention", lambda q, *a: calls.append(len(q)) or reference(q, *a))
+    pool = scattered_pool()
+    caches = [pool.allocate(len(PROMPT) + 2) for _ in range(2)]
+    for cache in caches:
+        assert cache is not None
+        forward(tiny_model, [Segment(np.array(PROMPT), cache, 0)], attention="numpy")
+    calls.clear()
+    forward(tiny_model, [Segment(np.array([5]), caches[0], caches[0].length)], attention="numba")  # type: ignore[union-attr]
+    assert calls == [1] * TINY.n_layers  # one query a layer, through numpy
+    calls.clear()
+    forward(tiny_model, [Segment(np.array([6]), c, c.length) for c in caches], attention="numba")  # type: ignore[union-attr]
+    assert calls == []

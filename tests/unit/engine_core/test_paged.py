@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from stack.engine import batched_decode
 from stack.engine import model as model_module
 from stack.engine.kv_cache import KVCache, KVPool
 from stack.engine.model import Model, Segment, forward
@@ -110,11 +111,13 @@ def test_key_tiles_and_query_blocks_match_the_reference(tiny_model: Model, tiny_
 
 
 @pytest.mark.parametrize("attention", ["numba", "numpy"])
-def test_a_wrong_block_table_is_caught(tiny_model: Model, tiny_tensors: dict, attention: str) -> None:
+def test_a_wrong_block_table_is_caught(tiny_model: Model, tiny_tensors: dict, attention: str,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A table entry pointing at the wrong block (block 0's keys read twice, block 1's lost) makes the next decode
     step disagree with the reference: attention (the kernel and numpy alike) really reads keys through the table.
     (Swapping two entries would not show: attention is blind to the order of its keys, their positions are in the
     RoPE'd K.)"""
+    monkeypatch.setattr(batched_decode, "MIN_SEGMENTS", 1)  # the kernel takes a lone sequence too
     cache = scattered_pool().allocate(len(PROMPT) + 1)
     assert cache is not None
     forward(tiny_model, [Segment(np.array(PROMPT), cache, 0)], attention="numpy")

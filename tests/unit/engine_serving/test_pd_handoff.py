@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from stack.common.sse import DONE, read_events
+from stack.engine import batched_decode
 from stack.engine.server import warm_up
 
 from .conftest import EngineProcess, chat, prefill_leg, write_hf_checkpoint
@@ -161,9 +162,10 @@ async def test_pd_pair_streams_the_same_constrained_json_as_colocated(trio: Trio
     assert colocated[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-async def test_received_kv_decodes_alike_through_the_kernel_and_numpy(engine_client) -> None:
+async def test_received_kv_decodes_alike_through_the_kernel_and_numpy(engine_client, monkeypatch) -> None:
     """PD: the KV a prefill pushes is decoded by the compiled kernel (attention numba) as by numpy (attention numpy):
     the same greedy tokens, each token's logprob within 1e-4 (a prompt over many 4-token blocks)."""
+    monkeypatch.setattr(batched_decode, "MIN_SEGMENTS", 1)  # the kernel takes this lone sequence too
     prefill = await engine_client("prefill", block_size=4)
     decodes = {arm: await engine_client("decode", block_size=4, attention=arm) for arm in ("numba", "numpy")}
     body = {"model": "tiny", "prompt": "the KV cache moves from prefill to decode, block by block", "max_tokens": 12,
