@@ -34,6 +34,11 @@ DEFAULT_KV_ROLE: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consu
 KV_PORT_ENV = "KV_TRANSFER_PORT"  # overrides a KV consumer's kv_transfer_config.kv_port (compose passes it from .env)
 PREFIX_CACHING_ENV = "PD_PREFIX_CACHING"  # 0 | 1: overrides prefix_caching (the benchmark's arms with and without it)
 ATTENTION_ENV = "PD_ATTENTION"  # numba | numpy: overrides attention
+# Environment variables that override one config key each: variable -> (key, {accepted text: value}).
+_ENV_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
+    PREFIX_CACHING_ENV: ("prefix_caching", {"0": False, "1": True}),
+    ATTENTION_ENV: ("attention", {name: name for name in get_args(Attention)}),
+}
 KV_HOST_ENV = "KV_ADVERTISE_HOST"  # overrides a KV consumer's kv_transfer_config.kv_advertise_host
 
 
@@ -169,16 +174,12 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None,
             target = target.setdefault(parent, {})
         target[leaf] = value
     environ = os.environ if env is None else env
-    caching = environ.get(PREFIX_CACHING_ENV, "").strip()
-    if caching:
-        if caching not in ("0", "1"):
-            raise ConfigError("environment", PREFIX_CACHING_ENV, f"must be 0 or 1, got {caching!r}")
-        merged["prefix_caching"] = caching == "1"
-    attention = environ.get(ATTENTION_ENV, "").strip()
-    if attention:
-        if attention not in get_args(Attention):
-            raise ConfigError("environment", ATTENTION_ENV, f"must be numba or numpy, got {attention!r}")
-        merged["attention"] = attention
+    for variable, (key, choices) in _ENV_CHOICES.items():
+        text = environ.get(variable, "").strip()
+        if text:
+            if text not in choices:
+                raise ConfigError("environment", variable, f"must be {' or '.join(choices)}, got {text!r}")
+            merged[key] = choices[text]
     config = build(EngineConfig, merged, path)
     if config.is_kv_consumer and (overrides or {}).get("kv_transfer_config.kv_port") is None:
         port = _env_kv_port(environ)
