@@ -17,10 +17,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
 from stack.engine import attention as attn_kernels
 from stack.engine import batched_decode
@@ -129,7 +131,8 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
         if len(groups) == 1:
             attend(groups[0])
         else:  # numpy releases the GIL inside each product and ufunc: the groups run on separate cores
-            list(attention_pool().map(attend, groups))
+            with blas_per_thread():
+                list(attention_pool().map(attend, groups))
         if on_layer is not None:
             on_layer(layer_index)
         x += attn.reshape(N, H * hd) @ layer.wo  # (N, dim)
@@ -164,6 +167,23 @@ def attention_threads() -> int:
 @lru_cache(maxsize=1)
 def attention_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(attention_threads(), thread_name_prefix="attention")
+
+
+@lru_cache(maxsize=1)
+def blas_controller() -> ThreadpoolController:
+    """numpy's BLAS, found once (threadpoolctl, scikit-learn's library for exactly this)."""
+    return ThreadpoolController().select(user_api="blas")
+
+
+def blas_per_thread() -> AbstractContextManager[object]:
+    """While attention's groups run on their own threads, each BLAS product on its caller's core only.
+
+    BLAS's thread count is one setting for the process, sized for the weight matmuls (all cores). Left so,
+    two attention threads each spread every small product over both cores: four threads on two cores. One
+    layer of a 16k prefill's attention ran at 49 GFLOP/s that way and at 95-118 GFLOP/s with one BLAS
+    thread per attention thread (docs/engine.md). Costs ~10 us a layer; the setting is back on exit.
+    """
+    return blas_controller().limit(limits=1)
 
 
 def attention_tasks(segments: list[Segment], lengths: list[int], group_size: int) -> list[tuple[int, int, int]]:
