@@ -89,7 +89,8 @@ def main(module: str, name: str, description: str, sections: Sequence[Section], 
     args = parser.parse_args(argv)
     if args.clock == "cpu" and os.environ.get("OPENBLAS_NUM_THREADS") != "1":
         parser.error("--clock cpu counts every thread's CPU time: run with OPENBLAS_NUM_THREADS=1")
-    env = {k: os.environ.get(k, "-") for k in ("OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+    env = {k: os.environ.get(k, "-") for k in ("OPENBLAS_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_CORETYPE",
+                                          "OPENBLAS_L2_SIZE")}
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"{name} benchmark: model {args.model}, numpy {np.__version__}, cpus {os.cpu_count()}, "
           f"load average {load}, env {env}")

@@ -28,14 +28,18 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import numpy as np
+from stack.engine import blas_env
 
-from benchmarks import _common, attention_kernels
-from benchmarks._common import Bench, Section, best_time, socket_bandwidth
-from benchmarks.kv_transfer import kv_transfer
-from stack.engine import batched_decode
-from stack.engine.kv_cache import KVCache, KVPool
-from stack.engine.model import Model, Segment, forward
+blas_env.apply_defaults()  # before numpy loads OpenBLAS: measure the engine's BLAS settings
+
+import numpy as np  # noqa: E402
+
+from benchmarks import _common, attention_kernels  # noqa: E402
+from benchmarks._common import Bench, Section, best_time, socket_bandwidth  # noqa: E402
+from benchmarks.kv_transfer import kv_transfer  # noqa: E402
+from stack.engine import batched_decode  # noqa: E402
+from stack.engine.kv_cache import KVCache, KVPool  # noqa: E402
+from stack.engine.model import Model, Segment, forward  # noqa: E402
 
 FULL = {"prefill": [1024, 4096, 16384, 32768], "contexts": [800, 8192], "batches": [1, 8, 32]}
 QUICK = {"prefill": [1024, 4096], "contexts": [800], "batches": [1, 8, 32]}

@@ -9,14 +9,9 @@ from __future__ import annotations
 
 import os
 
-# Before numpy loads: one BLAS thread per core this process may run on (its cpuset in compose).
-# OpenBLAS otherwise starts one per online CPU, and threads beyond the cpuset spin against the
-# other engine (decode batch 1 ran 14x slower with 2 threads than with 1 on a busy 2-core machine).
-os.environ.setdefault("OPENBLAS_NUM_THREADS", str(len(os.sched_getaffinity(0))))
-# An idle OpenBLAS worker spins 2^28 cycles (~0.1 s) by default before it sleeps: through every layer's compiled
-# decode attention, which numba runs on the same cores. 2^18 cycles (~0.1 ms) still bridges the gaps between one
-# step's products. Batch-32 decode ran 1.17-1.29x faster, batch 1 level (docs/engine.md).
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "18")
+from stack.engine import blas_env  # before anything loads numpy
+
+blas_env.apply_defaults()
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
