@@ -134,7 +134,7 @@ async def start_engines(tmp_path: Path) -> list[EngineProcess]:
 
 
 async def test_advise_says_prefill_bound_then_decode_bound_under_real_loads(tmp_path) -> None:
-    """Long prompts with 16-token answers, 10 at once, queue at prefill → advise.more_prefill; short prompts with
+    """Long prompts with 2-token answers, 32 at once, queue at prefill → advise.more_prefill; short prompts with
     100-token answers, 32 at once, fill decode's batch and wait for a place → advise.more_decode. The TTFT SLO is twice
     this machine's own unloaded prefill leg of the long prompt, measured first, so the verdicts hold on a slow or busy
     box; the TPOT SLO is the router's default (200 ms), far above this tiny model's steps and the machine's jitter."""
@@ -154,7 +154,10 @@ async def test_advise_says_prefill_bound_then_decode_bound_under_real_loads(tmp_
                 await stream(http, router.url, LONG_PROMPT, 16)
             alone = advise.window([before, await scrape(router)])
         slo = ["--ttft-slo-ms", f"{alone.prefill_s * 2000:.0f}"]
-        prefill_bound = await advise_under(router, LONG_PROMPT, 16, 10, *slo)
+        # 2-token answers, so decode's 2 places turn over at once, and 32 clients, more prompts than a step's token
+        # budget takes: the load queues at prefill however fast this machine prefills. (With 16-token answers and 10
+        # clients, a fast prefill batched them all, and they waited for decode's places instead.)
+        prefill_bound = await advise_under(router, LONG_PROMPT, 2, 32, *slo)
         # 100 tokens, not more: the last of 32 waits 15 batches of answers at decode, inside the router's 30 s to a stream's
         # start even on a loaded box (dummy:tiny's decode step reads its 16k-row output matrix)
         decode_bound = await advise_under(router, "hi", 100, 32, *slo)
