@@ -15,6 +15,8 @@ here, by how the process is started, never by a switch in the product:
   pd-deploy-asyncio  the same with the stock asyncio event loop (uvloop's loop factory swapped before start)
   pd-deploy-redis    per-key limits in a Redis (a redis-server this script starts on the client core, with the
                      deployments' append-only persistence): the limiter's cost is this row minus pd-deploy's
+  pd-deploy-before   the router of another checkout (`--before DIR`, e.g. `git worktree add DIR HEAD~1`), started
+                     the same way: a change's effect measured in the same run as the peers
 
 Each row: CPU µs per request (plain / PD), µs per relayed stream chunk, added latency; `report.py A.json`
 prints the table (docs/router-performance.md). Tiny check that everything starts and answers:
@@ -50,7 +52,7 @@ def _load_harness(peers: Path) -> ModuleType:
     return importlib.import_module("bench")
 
 
-def _with_arms(bench: ModuleType, redis_url: str | None) -> type:
+def _with_arms(bench: ModuleType, redis_url: str | None, before: Path | None) -> type:
     """The harness's Target, knowing our arms too."""
 
     harness = bench.Target
@@ -66,6 +68,11 @@ def _with_arms(bench: ModuleType, redis_url: str | None) -> type:
             argv, env, ready, skip = shipped.command(mode, port, rundir)
             env["PYTHONPATH"] = str(_REPO)  # this checkout's router, whichever checkout --pd-python was installed from
             if self.name == "pd-deploy":
+                return argv, env, ready, skip
+            if self.name == "pd-deploy-before":
+                if before is None:
+                    return [], env, "", "pd-deploy-before needs --before DIR (a checkout of the router to compare)"
+                env["PYTHONPATH"] = str(before)
                 return argv, env, ready, skip
             arm = self.name.removeprefix("pd-deploy-")
             if arm not in _ARMS:
@@ -112,6 +119,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__)
     parser.add_argument("--peers", required=True, type=Path, help="the peers harness folder (bench.py, setup.sh)")
+    parser.add_argument("--before", type=Path, default=None, help="the checkout the pd-deploy-before arm runs")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then bench.py's own arguments")
     args = parser.parse_args()
     forwarded = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
@@ -123,7 +131,7 @@ def main() -> int:
         try:
             if wants_redis and shutil.which("redis-server"):
                 redis, redis_url = _start_redis(Path(folder), client_core)
-            bench.Target = _with_arms(bench, redis_url)
+            bench.Target = _with_arms(bench, redis_url, args.before.resolve() if args.before else None)
             sys.argv = [str(args.peers / "bench.py"), *forwarded]
             return bench.main()
         finally:

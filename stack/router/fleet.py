@@ -24,6 +24,7 @@ from stack.router.backends import build_pool, is_colocated
 from stack.router.config import RouterConfig
 from stack.router.deadlines import worst_case_s
 from stack.router.discovery import KVDiscovery, kv_hints
+from stack.router.engine_http import EngineHTTP
 from stack.router.handoff import handoff_for
 from stack.router.metrics import Metrics
 from stack.router.monitor import HealthMonitor
@@ -43,7 +44,8 @@ class Fleet:
         self.handoff = handoff_for(s.kv_connector, same_endpoints=is_colocated(config.prefill, config.decode))
         self.mode = "disaggregated" if self.handoff.prefill_leg else "colocated"
         self.clock = clock
-        self.session = session
+        self.session = session  # health checks, KV discovery, /tokenize
+        self.engines = EngineHTTP(session.headers)  # the legs (engine_http.py), with the session's headers: the internal key
         registers = self.handoff.registers
         breaker = (s.breaker_failures, s.breaker_cooldown_ms / 1000)
         decode_role = "decode" if self.handoff.prefill_leg else "both"
@@ -74,6 +76,7 @@ class Fleet:
     async def close(self) -> None:
         await asyncio.gather(*(watcher.close() for watcher in self.watchers))
         await self.monitor.close()
+        await self.engines.close()
 
     def worst_case_s(self) -> dict[str, Any]:
         """The request time bounds at the engines' window (deadlines.py)."""

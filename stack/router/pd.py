@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator, Mapping
 from functools import partial
 from typing import Any
 
-import aiohttp
 
 from stack.common import events
 from stack.common.errors import UpstreamError, UpstreamTimeout
@@ -39,7 +38,8 @@ from stack.router.job import NO_HEADERS, Job
 from stack.router.metrics import Metrics
 from stack.router.pairing import Pair, Pairing, Tried
 from stack.router.relay import Leg, Passthrough, Tally, answer_chunks, parse_chunk, report_cached
-from stack.router.upstream import LegFailed, exception_failure, open_stream, post_json, timeout
+from stack.router.engine_http import Response
+from stack.router.upstream import LegFailed, exception_failure, leg_timeout, open_stream, post_json
 
 
 class PDClient:
@@ -52,7 +52,7 @@ class PDClient:
         self.pairing = Pairing(s, fleet.scheduler, fleet.monitor, fleet.handoff, metrics)
         # What the API handlers ask of the engines, answered by the fleet.
         self.monitor, self.tokenizer_call, self.health_snapshot = fleet.monitor, fleet.tokenizer_call, fleet.health_snapshot
-        self._stream_timeout = timeout(s.connect_timeout_ms, s.request_timeout_ms, s.idle_timeout_ms)
+        self._stream_timeout = leg_timeout(s.connect_timeout_ms, s.request_timeout_ms, s.idle_timeout_ms)
 
     @property
     def backend_model(self) -> str:
@@ -142,7 +142,7 @@ class PDClient:
             log_event(events.ROUTER_CLIENT_DISCONNECTED, "client went away; upstream decode cancelled", "WARNING",
                       request_id=job.request_id, decode=leg.decode.url, chunks_relayed=tally.tokens)
             raise
-        except (LegFailed, aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as exc:
+        except (LegFailed, TimeoutError, ConnectionError, ValueError) as exc:
             failure = exc if isinstance(exc, LegFailed) else exception_failure(leg.decode, exc, "mid-stream")
             self.pairing.outcome(leg.decode, failure)
             self._decode_failed(job, leg.decode, failure, mid_stream=True, retried=False)
@@ -208,8 +208,8 @@ class PDClient:
         assert prefill is not None, "prefill leg for a pair without a prefill"
         started = time.perf_counter()
         try:
-            answer = await post_json(self.fleet.session, prefill, job.path, job.prefill_body(route.prefill_params), route.request_id,
-                                     timeout(self.settings.connect_timeout_ms, round(job.budgets.prefill_s * 1000)))
+            answer = await post_json(self.fleet.engines, prefill, job.path, job.prefill_body(route.prefill_params), route.request_id,
+                                     leg_timeout(self.settings.connect_timeout_ms, round(job.budgets.prefill_s * 1000)))
         finally:
             self.pairing.release_prefill(pair, job)
         self.pairing.outcome(prefill)
@@ -241,21 +241,21 @@ class PDClient:
         sent = time.perf_counter()
         if not job.stream:
             try:
-                answer = await post_json(self.fleet.session, decode, job.path, body, leg_id,
-                                         timeout(self.settings.connect_timeout_ms, round(job.budgets.decode_json(computes_prompt) * 1000)))
+                answer = await post_json(self.fleet.engines, decode, job.path, body, leg_id,
+                                         leg_timeout(self.settings.connect_timeout_ms, round(job.budgets.decode_json(computes_prompt) * 1000)))
             except LegFailed as failure:
                 self.pairing.outcome(decode, failure)
                 raise failure if computes_prompt else failure.after_prefill(decode) from None
             self.pairing.outcome(decode)
             return Leg(decode, answer=answer)
-        response: aiohttp.ClientResponse | None = None
+        response: Response | None = None
         try:
             async with asyncio.timeout(first_chunk_s := job.budgets.first_chunk(computes_prompt)):
                 # A decode computing the prompt is silent until its first chunk: the silence it may keep grows to match.
-                stream_timeout = self._stream_timeout if not computes_prompt else timeout(
+                stream_timeout = self._stream_timeout if not computes_prompt else leg_timeout(
                     self.settings.connect_timeout_ms, self.settings.request_timeout_ms + round(job.budgets.work_s * 1000),
                     max(self.settings.idle_timeout_ms, round(first_chunk_s * 1000)))
-                response = await open_stream(self.fleet.session, decode, job.path, body, leg_id, stream_timeout)
+                response = await open_stream(self.fleet.engines, decode, job.path, body, leg_id, stream_timeout)
                 batches = aiter(read_event_batches(response.content))
                 frames = [data for _event, data in await anext(batches, [(None, DONE_DATA)])]
                 if frames[0] == DONE_DATA:
@@ -264,7 +264,7 @@ class PDClient:
         except BaseException as exc:
             if response is not None:
                 response.close()  # given up before the first chunk: the engine sees the disconnect
-            if isinstance(exc, (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError)):
+            if isinstance(exc, (TimeoutError, ConnectionError, ValueError)):
                 exc = exception_failure(decode, exc, "before the first chunk")
             if isinstance(exc, LegFailed):
                 self.pairing.outcome(decode, exc)

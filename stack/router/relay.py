@@ -18,12 +18,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from stack.common import events
 from stack.common.logging import log_event
 from stack.common.sse import dumps
 from stack.router.backends import Backend
+from stack.router.engine_http import Response
 from stack.router.metrics import Metrics
 from stack.router.upstream import EngineError, LegFailed, status_failure
 
@@ -34,7 +33,7 @@ class Leg:
 
     decode: Backend
     answer: dict[str, Any] | None = None
-    response: aiohttp.ClientResponse | None = None
+    response: Response | None = None
     batches: AsyncIterator[list[tuple[str | None, bytes]]] | None = None  # the rest of the stream, per network read
     first: dict[str, Any] | None = None  # the first chunk, checked before anything reached the client
     rest: list[bytes] = field(default_factory=list)  # the other frames' data that arrived with the first

@@ -30,6 +30,7 @@ from stack.common.errors import (
 )
 from stack.common.logging import client_request_id, log_event
 from stack.router.backends import Backend
+from stack.router.engine_http import ConnectFailed, Disconnected, EngineHTTP, Response, Timeout
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
 # A prefill leg's 503 when the decode cannot hold the prompt's KV (the engine's code): retried on another decode, and
@@ -125,11 +126,11 @@ def status_failure(backend: Backend, status: int, error: EngineError) -> LegFail
                      code=error.code)
 
 
-async def response_failure(backend: Backend, response: aiohttp.ClientResponse) -> LegFailed:
+async def response_failure(backend: Backend, response: Response) -> LegFailed:
     """Read a non-2xx answer, log its body, and map it."""
     try:
         text = await response.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError, UnicodeDecodeError) as exc:
+    except (ConnectionError, TimeoutError, ValueError) as exc:
         text = f"(body unreadable: {exc!r})"
     log_event(events.ROUTER_UPSTREAM_ERROR, f"{backend.role} {backend.url} answered HTTP {response.status}", "WARNING",
               backend=backend.url, role=backend.role, status=response.status, body=text[:2000])
@@ -137,24 +138,26 @@ async def response_failure(backend: Backend, response: aiohttp.ClientResponse) -
 
 
 def exception_failure(backend: Backend, exc: BaseException, phase: str) -> LegFailed:
-    """Map a transport exception (connect, reset, timeout, bad payload) on one leg."""
+    """Map a transport exception on one leg: engine_http.py's failures, JSON or UTF-8 that does not parse."""
     name = _role_name(backend)
-    if isinstance(exc, aiohttp.ClientConnectorError):
+    if isinstance(exc, ConnectFailed):
         return LegFailed(UpstreamError(f"cannot connect to the {name}"), retryable=True, unreachable=True)
-    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+    if isinstance(exc, TimeoutError):
         return LegFailed(UpstreamTimeout(f"the {name} did not answer in time ({phase})"), retryable=True)
-    if isinstance(exc, (aiohttp.ClientError, ConnectionError)):
-        # A reset or refused socket (ClientOSError, ConnectionResetError) means the engine process is gone: down at once.
-        reset = isinstance(exc, (aiohttp.ClientOSError, ConnectionError, aiohttp.ServerDisconnectedError))
+    if isinstance(exc, ConnectionError):
+        # Reset or closed before the status line: the engine process is gone, down at once. Mid-answer it may have
+        # stopped only this stream.
+        mid_body = isinstance(exc, Disconnected) and exc.mid_body
         return LegFailed(UpstreamError(f"the {name} broke the connection ({phase}: {type(exc).__name__})"), retryable=True,
-                         unreachable=reset)
-    if isinstance(exc, ValueError):  # JSON that does not parse, bytes that are not UTF-8
+                         unreachable=not mid_body)
+    if isinstance(exc, ValueError):  # JSON that does not parse, bytes that are not UTF-8 or not HTTP (BadAnswer)
         return LegFailed(UpstreamError(f"the {name} sent an unreadable answer ({phase}: {exc})"), retryable=True)
     raise exc
 
 
 def new_session(internal_key: str | None = None) -> aiohttp.ClientSession:
-    """The one upstream session for the app's lifetime, tuned for a relay.
+    """The one upstream session for the app's lifetime: health checks, KV discovery, /tokenize, /v1/models (the legs
+    go through engine_http.py, which takes this session's headers).
 
     No connection cap (the scheduler's max_concurrent is the limit; aiohttp's default pool of 100
     would make requests wait unseen), keep-alive reuse, no total timeout (legs set their own), no
@@ -170,8 +173,14 @@ def new_session(internal_key: str | None = None) -> aiohttp.ClientSession:
 
 
 def timeout(connect_ms: int, total_ms: int | None = None, read_ms: int | None = None) -> aiohttp.ClientTimeout:
+    """The session's calls' timeouts."""
     return aiohttp.ClientTimeout(total=total_ms / 1000 if total_ms else None, sock_connect=connect_ms / 1000,
                                  sock_read=read_ms / 1000 if read_ms else None)
+
+
+def leg_timeout(connect_ms: int, total_ms: int | None = None, read_ms: int | None = None) -> Timeout:
+    """A leg's timeouts: connect, the whole exchange, the longest silence."""
+    return Timeout(connect_ms / 1000, total_ms / 1000 if total_ms else None, read_ms / 1000 if read_ms else None)
 
 
 def _headers(request_id: str) -> dict[str, str]:
@@ -180,13 +189,13 @@ def _headers(request_id: str) -> dict[str, str]:
     return {**_JSON_HEADERS, REQUEST_ID_HEADER: request_id, **({CLIENT_REQUEST_ID_HEADER: client_id} if client_id else {})}
 
 
-async def post_json(session: aiohttp.ClientSession, backend: Backend, path: str, body: dict[str, Any], request_id: str,
-                    client_timeout: aiohttp.ClientTimeout) -> dict[str, Any]:
+async def post_json(client: EngineHTTP, backend: Backend, path: str, body: dict[str, Any], request_id: str,
+                    leg: Timeout) -> dict[str, Any]:
     """POST a non-streamed leg and return its JSON answer, or raise LegFailed. Cancelled (the request's deadline, the
     client gone) or timed out, the connection is closed, not returned to the pool: the engine sees the disconnect."""
-    response: aiohttp.ClientResponse | None = None
+    response: Response | None = None
     try:
-        response = await session.post(backend.url + path, data=json_text.dumps(body).encode(), headers=_headers(request_id), timeout=client_timeout)
+        response = await client.post(backend.url + path, json_text.dumps(body).encode(), _headers(request_id), leg)
         if response.status >= 400:
             raise await response_failure(backend, response)
         data = json.loads(await response.read())  # engines answer UTF-8 JSON; skips charset sniffing
@@ -206,11 +215,11 @@ async def post_json(session: aiohttp.ClientSession, backend: Backend, path: str,
     return data
 
 
-async def open_stream(session: aiohttp.ClientSession, backend: Backend, path: str, body: dict[str, Any], request_id: str,
-                      client_timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+async def open_stream(client: EngineHTTP, backend: Backend, path: str, body: dict[str, Any], request_id: str,
+                      leg: Timeout) -> Response:
     """POST a streamed leg and return the open 200 response (the caller reads and closes it)."""
     try:
-        response = await session.post(backend.url + path, data=json_text.dumps(body).encode(), headers=_headers(request_id), timeout=client_timeout)
+        response = await client.post(backend.url + path, json_text.dumps(body).encode(), _headers(request_id), leg)
     except Exception as exc:  # noqa: BLE001
         raise exception_failure(backend, exc, "stream start") from exc
     if response.status >= 400:
