@@ -114,7 +114,8 @@ class Response:
                 data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
                 self._chunks.clear()
                 self._buffered = 0
-                self._connection.resume()
+                if not self._done:  # an ended answer's connection is already back in its pool, maybe serving another
+                    self._connection.resume()
                 yield data
             elif self._error is not None:
                 raise self._error
@@ -250,6 +251,7 @@ class _Connection(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
         self.timer, self.response = None, None
+        self.resume()  # an answer that ended in the read that paused it: the next exchange reads again
 
     def _fail(self, error: BaseException) -> None:
         """End the exchange with `error` (the caller's await raises it) and close the connection."""

@@ -266,3 +266,19 @@ async def test_a_header_value_with_a_line_break_is_refused_before_sending(serve,
     with pytest.raises(ValueError, match="line break"):
         await client.post(url + "/x", b"{}", {"X-Request-ID": "a\r\nX-Injected: 1"}, TIMEOUT)
     assert server.requests == []
+
+
+async def test_an_answer_ending_past_the_high_water_mark_leaves_its_connection_reading(serve, client) -> None:
+    async def large(_head: bytes, _reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(json_answer(b"y" * (HIGH_WATER + 100)))  # crosses the mark in the read that ends it
+        await writer.drain()
+
+    server, url = await serve(large)
+    first = await client.post(url + "/a", b"{}", {}, TIMEOUT)
+    async with asyncio.timeout(5):
+        while not first._done:  # all of it arrived while nobody read
+            await asyncio.sleep(0.005)
+        assert len(await first.read()) == HIGH_WATER + 100
+        second = await client.post(url + "/b", b"{}", {}, TIMEOUT)  # the pooled connection: it must read again
+        assert len(await second.read()) == HIGH_WATER + 100
+    assert server.connections == 1
