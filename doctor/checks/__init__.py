@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from doctor.checks import (auth_401, backends, bypass, choices_parse, client_view, config_mismatch, engine_config, healthy,
-                           internal_key, kv_transfer, lifecycle, local_proxy, long_prompt, model_name, nixl_idle_prefill,
+                           internal_key, kv_transfer, lifecycle, local_proxy, long_prompt, model_name, nixl_lease_wait,
                            nixl_transport, oauth,
                            p2pnccl, slowness, stalled, unexplained, upstream)
 from doctor.findings import Context, Finding
@@ -45,8 +45,8 @@ REGISTRY: tuple[Check, ...] = (
     Check("long_prompt", "prompts over the window, KV a decode cannot hold or that stopped arriving, abandoned work",
           long_prompt.check),
     Check("upstream", "real vLLM / NIXL / UCX / SGLang / Mooncake / NCCL failure strings", upstream.check),
-    Check("nixl_idle_prefill", "decode's NIXL reads that waited for an idle prefill to wake (each first token a KV lease "
-          "late)", nixl_idle_prefill.check),
+    Check("nixl_lease_wait", "decode's NIXL reads that completed only as the prefill's KV lease expired (each first "
+          "token a lease late)", nixl_lease_wait.check),
     Check("nixl_transport", "how NIXL's KV moves (UCX lanes): CUDA IPC / shared memory, or a silent TCP fallback",
           nixl_transport.check),
     Check("p2pnccl", "vLLM P2pNccl engines not registered with the router, dropped, or pinging another format",

@@ -6,7 +6,7 @@ show it, the upstream cause and fix, and the source the exact string was taken f
 
 from __future__ import annotations
 
-from doctor.checks import nixl_idle_prefill
+from doctor.checks import nixl_lease_wait
 from doctor.findings import Context, Finding, finding
 from doctor.parse import UPSTREAM
 from doctor.signatures import SIGNATURES
@@ -21,14 +21,14 @@ def check(ctx: Context) -> list[Finding]:
     # Requests whose prefill token ended them: their blocks wait out the lease by design (vLLM keeps FINISHED_STOPPED
     # blocks for a decode that the router rightly never sends). vLLM names them chatcmpl-<X-Request-ID>-<8 hex>.
     finished = {r.request_id for r in ctx.by_event(events.ROUTER_PREFILL_FINISHED)}
-    idle_prefill = {r.line for pair in nixl_idle_prefill.stalled_pairs(ctx) for r in pair[:2]}
+    lease_wait = {r.line for pair in nixl_lease_wait.stalled_pairs(ctx) for r in pair[:2]}
     for sig in SIGNATURES:
         if sig.proof or sig.fact:
             continue
         seen = ctx.by_event(UPSTREAM + sig.id)
         if sig.id == "kv.stranded_on_prefill" and finished:
             seen = [r for r in seen if not any(f"-{rid}-" in r.line for rid in finished)]
-        seen = [r for r in seen if r.line not in idle_prefill]  # its own finding: a longer lease is not the fix
+        seen = [r for r in seen if r.line not in lease_wait]  # its own finding: a longer lease is not the fix
         if not seen:
             continue
         where = ", ".join(sorted({r.service for r in seen}))

@@ -10,7 +10,8 @@ chunked bodies in C.
 
 What it keeps of what the legs relied on:
 - **Timeouts** (`Timeout`): connect, a total deadline for the whole exchange (body included), and the longest
-  silence while the answer is awaited (`read_s`; not counted while the reader itself is behind).
+  silence while the answer is awaited (`read_s`; not counted while the reader itself is behind), and a longer one
+  allowed before the body's first bytes (`first_s`: a stream's first chunk waits for the prompt's KV).
 - **Abandoned work stops**: an answer not read to its end is never pooled: `Response.close()` (or a cancelled,
   failed or timed-out call) closes the connection, so the engine sees the disconnect and cancels the request.
 - **Keep-alive**: an answer read to its end gives its connection back to its engine's idle list, dropped after
@@ -56,6 +57,7 @@ class Timeout:
     connect_s: float
     total_s: float | None = None  # the whole exchange, body included
     read_s: float | None = None  # the longest silence from the engine while its answer is awaited
+    first_s: float | None = None  # the longest before the body's first bytes, when longer than read_s
 
 
 @dataclass(frozen=True)
@@ -153,10 +155,11 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self.idle_since = 0.0
-        self.header_name = b""
         # Timeouts of the current exchange: one timer re-armed only when it fires (not once per read).
         self.deadline: float | None = None
         self.read_s: float | None = None
+        self.first_s: float | None = None
+        self.body_started = False
         self.last_heard = 0.0
         self.timer: asyncio.TimerHandle | None = None
 
@@ -205,6 +208,11 @@ class _Connection(asyncio.Protocol):
             self.headers_ready.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        if not self.body_started:  # from now on the silence limit is read_s
+            self.body_started = True
+            if self.first_s and self.timer is not None:
+                self.timer.cancel()
+                self._arm()
         if self.response is not None:
             self.response._feed(body)
 
@@ -226,22 +234,25 @@ class _Connection(asyncio.Protocol):
         self.got_bytes = False
         now = self.loop.time()
         self.deadline = now + timeout.total_s if timeout.total_s else None
-        self.read_s, self.last_heard = timeout.read_s, now
+        self.read_s, self.first_s, self.body_started, self.last_heard = timeout.read_s, timeout.first_s, False, now
         self._arm()
         self.transport.writelines((head, body))
         return self.response
 
+    def _silence_s(self) -> float | None:
+        return self.first_s if self.first_s and not self.body_started else self.read_s
+
     def _arm(self) -> None:
-        due = min((t for t in (self.deadline, self.last_heard + self.read_s if self.read_s else None) if t is not None),
-                  default=None)
+        silence = self._silence_s()
+        due = min((t for t in (self.deadline, self.last_heard + silence if silence else None) if t is not None), default=None)
         self.timer = self.loop.call_at(due, self._check_time) if due is not None else None
 
     def _check_time(self) -> None:
-        now = self.loop.time()
+        now, silence = self.loop.time(), self._silence_s()
         if self.deadline is not None and now >= self.deadline:
             self._fail(TimeoutError("the engine's answer did not end within the leg's time"))
-        elif self.read_s and not self.paused and now - self.last_heard >= self.read_s:
-            self._fail(TimeoutError(f"the engine was silent for {self.read_s:g} s"))
+        elif silence and not self.paused and now - self.last_heard >= silence:
+            self._fail(TimeoutError(f"the engine was silent for {silence:g} s"))
         else:
             if self.paused:  # the reader is behind, not the engine: its silence does not count
                 self.last_heard = now

@@ -52,7 +52,6 @@ class PDClient:
         self.pairing = Pairing(s, fleet.scheduler, fleet.monitor, fleet.handoff, metrics)
         # What the API handlers ask of the engines, answered by the fleet.
         self.monitor, self.tokenizer_call, self.health_snapshot = fleet.monitor, fleet.tokenizer_call, fleet.health_snapshot
-        self._stream_timeout = leg_timeout(s.connect_timeout_ms, s.request_timeout_ms, s.idle_timeout_ms)
 
     @property
     def backend_model(self) -> str:
@@ -251,10 +250,11 @@ class PDClient:
         response: Response | None = None
         try:
             async with asyncio.timeout(first_chunk_s := job.budgets.first_chunk(computes_prompt)):
-                # A decode computing the prompt is silent until its first chunk: the silence it may keep grows to match.
-                stream_timeout = self._stream_timeout if not computes_prompt else leg_timeout(
-                    self.settings.connect_timeout_ms, self.settings.request_timeout_ms + round(job.budgets.work_s * 1000),
-                    max(self.settings.idle_timeout_ms, round(first_chunk_s * 1000)))
+                # Until its first chunk a decode waits for the prompt's KV (or computes the prompt): it may stay silent for
+                # the whole first-chunk budget; then idle_timeout_ms between chunks.
+                work_ms = round(job.budgets.work_s * 1000) if computes_prompt else 0
+                stream_timeout = leg_timeout(self.settings.connect_timeout_ms, self.settings.request_timeout_ms + work_ms,
+                                             self.settings.idle_timeout_ms, round(first_chunk_s * 1000))
                 response = await open_stream(self.fleet.engines, decode, job.path, body, leg_id, stream_timeout)
                 batches = aiter(read_event_batches(response.content))
                 frames = [data for _event, data in await anext(batches, [(None, DONE_DATA)])]

@@ -178,9 +178,11 @@ def timeout(connect_ms: int, total_ms: int | None = None, read_ms: int | None = 
                                  sock_read=read_ms / 1000 if read_ms else None)
 
 
-def leg_timeout(connect_ms: int, total_ms: int | None = None, read_ms: int | None = None) -> Timeout:
-    """A leg's timeouts: connect, the whole exchange, the longest silence."""
-    return Timeout(connect_ms / 1000, total_ms / 1000 if total_ms else None, read_ms / 1000 if read_ms else None)
+def leg_timeout(connect_ms: int, total_ms: int | None = None, read_ms: int | None = None,
+                first_ms: int | None = None) -> Timeout:
+    """A leg's timeouts: connect, the whole exchange, the longest silence (before the body's first bytes: first_ms)."""
+    return Timeout(connect_ms / 1000, total_ms / 1000 if total_ms else None, read_ms / 1000 if read_ms else None,
+                   first_ms / 1000 if first_ms else None)
 
 
 def _headers(request_id: str) -> dict[str, str]:

@@ -8,8 +8,8 @@ vllm_no_connector     the router's prefill leg to a vLLM started without --kv-tr
 vllm_decode_down      the decode vLLM killed under the router: requests fail at decode
 vllm_eos_at_prefill   two requests whose prefill token is EOS (logit_bias), then two ordinary ones; 30 s later vLLM
                       releases the EOS requests' blocks (no decode pulled them: none was due)
-vllm_idle_prefill     the CPU overlay as shipped (./pd up --vllm-cpu, recorded 2026-12-02), three requests one after the
-                      other on a quiet stack: each waited 31 s, decode reading its KV as the idle prefill's lease expired
+vllm_lease_wait       the CPU overlay as shipped (./pd up --vllm-cpu, recorded 2026-12-02), three requests one after the
+                      other on a quiet stack: each waited 31 s, decode reading its KV as the prefill's lease expired
 """
 
 from __future__ import annotations
@@ -81,12 +81,12 @@ def test_eos_at_prefill_requests_are_complete_without_a_decode_leg():
     assert len(finished) == 2 and all(t.complete and t.first("router.kv_handoff") is None for t in finished)
 
 
-def test_decode_waiting_for_an_idle_prefill_is_named_not_a_longer_lease():
-    findings, _ = diagnose(*sorted((BUNDLES / "vllm_idle_prefill").glob("*.log")))
-    stall = by_id(findings, "kv.idle_prefill_stall")
+def test_decode_reads_that_wait_for_the_lease_are_named_not_a_longer_lease():
+    findings, _ = diagnose(*sorted((BUNDLES / "vllm_lease_wait").glob("*.log")))
+    stall = by_id(findings, "kv.read_at_lease_expiry")
     # The prefill logs decode's read of a request when it next steps: the first two requests' reads came with the next
     # request; the third's had no next request before the recording ended, so its release stands alone.
-    first, second, third = (r["request_id"] for r in _router_lines("vllm_idle_prefill", "router.request_done"))
+    first, second, third = (r["request_id"] for r in _router_lines("vllm_lease_wait", "router.request_done"))
     assert stall.severity == "error" and set(stall.request_ids) == {first, second}
     assert {e.service for e in stall.evidence} == {"prefill"}
     assert "do not raise the lease" in stall.fix and "NixlPushConnector" in stall.fix
@@ -100,6 +100,6 @@ def _router_lines(bundle: str, event: str) -> list[dict]:
     return [line for line in lines if line["event"] == event]
 
 
-def test_a_read_long_after_the_release_is_not_an_idle_prefill():
+def test_a_read_long_after_the_release_is_not_a_lease_wait():
     findings, _ = diagnose(BUNDLES / "vllm_kv_expiry")  # decode pulled 40 s late on purpose: decode was slow
-    assert "kv.idle_prefill_stall" not in ids(findings)
+    assert "kv.read_at_lease_expiry" not in ids(findings)

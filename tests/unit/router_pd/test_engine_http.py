@@ -282,3 +282,22 @@ async def test_an_answer_ending_past_the_high_water_mark_leaves_its_connection_r
         second = await client.post(url + "/b", b"{}", {}, TIMEOUT)  # the pooled connection: it must read again
         assert len(await second.read()) == HIGH_WATER + 100
     assert server.connections == 1
+
+
+async def test_the_first_bytes_may_take_first_s_then_read_s_bounds_each_silence(serve, client) -> None:
+    async def slow_first_chunk(_head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.4)  # the engine's side of the test: longer than read_s, within first_s
+        writer.write(chunk(b"data: 1\n\n"))
+        await writer.drain()
+        await reader.read()  # then silent until the client hangs up
+
+    server, url = await serve(slow_first_chunk)
+    response = await client.post(url + "/s", b"{}", {}, Timeout(connect_s=2.0, read_s=0.2, first_s=1.0))
+    reads = aiter(response.content.iter_any())
+    async with asyncio.timeout(5):
+        assert await anext(reads) == b"data: 1\n\n"
+        with pytest.raises(TimeoutError, match="silent for 0.2 s"):
+            await anext(reads)
+        await server.hung_up.wait()

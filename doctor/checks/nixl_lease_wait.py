@@ -1,20 +1,21 @@
-"""Decode's KV read that waits for an idle prefill to wake: vLLM's pull-mode NIXL on a prefill with nothing else to do.
+"""Decode's KV read that completes only when the prefill's KV lease expires: vLLM 0.32's pull-mode NIXL on CPU.
 
-vLLM's NixlConnector (= NixlPullConnector; vLLM 0.32) has decode read a finished prefill's blocks. The prefill's
-worker learns which blocks it serves, and progresses the read, only when its engine steps again; a prefill with no
-other request parks on its input queue until the KV lease's expiry wakes it (kv_lease_duration, 30 s). So, on a
-quiet deployment, each request's first token comes a lease late, and decode reads blocks the prefill has just
-released. The two lines it leaves, per request, in the prefill's log (doctor/signatures.py):
+vLLM's NixlConnector (= NixlPullConnector) has decode read a finished prefill's blocks, which the prefill keeps for a
+lease (kv_lease_duration, 30 s). Recorded with the CPU overlay (`./pd up --vllm-cpu`, vLLM 0.32.0, KV in host memory
+over UCX/TCP; tests/unit/doctor/bundles/vllm_lease_wait): every request's decode read completed only as the prefill
+released its blocks at the lease's expiry, so each first token came a lease late (31 s for an 8-token answer); with
+the lease at 4 s, 1.0-5.3 s; in a benchmark at 1 request a second, 40 of 40 streams passed the router's 30 s
+silence limit. Decode's own transfer metrics show each read took under a millisecond once posted: decode was not
+slow, it was waiting on the prefill. The two lines it leaves, per request, in the prefill's log
+(doctor/signatures.py):
 
     WARNING … Releasing expired KV blocks for request <id> which were retrieved by 0 remote worker(s) …
     ERROR   … Potentially invalid KV blocks for unrecognized request <id> were retrieved by a decode worker …
 
 Either line alone has other causes (decode down, unreachable or queued: `kv.stranded_on_prefill`,
-`kv.read_after_expiry`, where a longer lease is the fix). Both for one request, the read within READ_AFTER_RELEASE_S
-of the release, say decode was waiting for the prefill to wake, not slow: the lease's expiry is what let it read.
-Recorded with the CPU overlay (tests/unit/doctor/bundles/vllm_idle_prefill): 31 s for an 8-token answer; with the
-lease at 4 s, 1.0-5.3 s; vLLM's push mode (NixlPushConnector, whose pending pushes keep both engines stepping)
-4.8-5.7 s, its first request over 100 s.
+`kv.read_after_expiry`, where a longer lease is the fix). Both for one request, the read logged within
+READ_AFTER_RELEASE_S of the release, say the read waited for the release: a longer lease only lengthens the wait.
+Why vLLM's prefill serves the read only then is vLLM's; what this check asserts is the timing.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from doctor.parse import UPSTREAM, Record
 
 RELEASED = UPSTREAM + "kv.stranded_on_prefill"
 READ_LATE = UPSTREAM + "kv.read_after_expiry"
-READ_AFTER_RELEASE_S = 3.0  # vLLM stamps its lines to the second; the read follows the wake-up within one
+READ_AFTER_RELEASE_S = 3.0  # vLLM stamps its lines to the second; recorded: the read a second after the release
 _REQUEST = re.compile(r"for (?:unrecognized )?request (\S+)")
 _STAMP = re.compile(r"\b(\d\d-\d\d \d\d:\d\d:\d\d)\b")  # vLLM's "WARNING 12-02 18:21:24 [file.py:N]"
 
@@ -38,17 +39,18 @@ def check(ctx: Context) -> list[Finding]:
         return []
     widest = max(gap for _, _, gap in pairs)
     return [finding(
-        "kv.idle_prefill_stall", "error",
-        f"Decode waited for the idle prefill to wake: {len(pairs)} request(s) read their KV only as its lease expired",
-        "vLLM's pull-mode NixlConnector serves a finished prefill's blocks only when the prefill engine steps again. "
-        "With no other request to run, the prefill parks until the KV lease's expiry wakes it (kv_lease_duration, "
-        f"30 s in vLLM 0.32), so each first token comes a lease late. Decode read every such request's KV within "
-        f"{widest:g} s of the prefill releasing it: it was waiting for the prefill, not slow, and it read blocks the "
-        "prefill had already released (output may be wrong).",
+        "kv.read_at_lease_expiry", "error",
+        f"Decode's KV reads completed only as the prefill's lease expired ({len(pairs)} request(s)): each first token "
+        "a lease late",
+        "The prefill logged each request's blocks as released at the end of its KV lease (kv_lease_duration, 30 s in "
+        f"vLLM 0.32) and decode's read of them within {widest:g} s after: decode's read waited for that release, not "
+        "for decode (recorded with vLLM 0.32.0's CPU build and pull-mode NixlConnector, where each transfer took under "
+        "a millisecond once posted). Every first token comes a lease late, and decode reads blocks the prefill has "
+        "already released (output may be wrong).",
         "do not raise the lease (it lengthens the wait; a shorter one only trades it for reads of released blocks). "
-        "Keep the prefill stepping: under steady traffic the stall goes (the next prefill wakes it), or run vLLM's push "
-        "mode, \"kv_connector\":\"NixlPushConnector\" in both engines' --kv-transfer-config (compose.gpu.yaml: "
-        "VLLM_NIXL_CONNECTOR); on the CPU build with little traffic, serve one vLLM engine colocated instead of 1P1D",
+        "Try vLLM's push mode, \"kv_connector\":\"NixlPushConnector\" in both engines' --kv-transfer-config "
+        "(compose.gpu.yaml: VLLM_NIXL_CONNECTOR; measured on the CPU overlay: 4.8-5.7 s a request, the first over "
+        "100 s), or serve the CPU build colocated (one vLLM engine behind the router); docs/vllm-cpu.md has the figures",
         [r for release, read, _ in pairs for r in (release, read)],
         [r.request_id for release, read, _ in pairs for r in (release, read)])]
 
