@@ -59,7 +59,7 @@ def parse(text: str, service: str) -> tuple[str, str, str, dict] | None:
         status = int(a.group("status"))
         return "", VLLM + "access", "WARNING" if status >= 400 else "INFO", \
             {"method": a.group("method"), "path": a.group("path"), "status": status}
-    msg, ts = m.group("msg"), f"{m.group('md')}T{m.group('hms')}"
+    msg, ts = m.group("msg"), stamp(text)
     data: dict = {"process": m.group("proc"), "pid": int(m.group("pid")), "source": m.group("src")}
     for kind, rx in KINDS:
         hit = rx.search(msg)
@@ -125,6 +125,12 @@ def fix_years(records: list, now: datetime | None = None) -> None:
     for r in records:
         if r.event.startswith(VLLM) and r.ts[2:3] == "-":
             r.ts = f"{year}-{r.ts}"
+
+
+def stamp(text: str) -> str | None:
+    """The MM-DDTHH:MM:SS a vLLM line was stamped with (its prefix: no year, to the second), or None."""
+    m = _PREFIX.match(text)
+    return f"{m.group('md')}T{m.group('hms')}" if m else None
 
 
 def join_requests(records: list) -> None:

@@ -20,17 +20,15 @@ Why vLLM's prefill serves the read only then is vLLM's; what this check asserts 
 
 from __future__ import annotations
 
-import re
 from datetime import datetime
 
+from doctor import engine_lines
 from doctor.findings import Context, Finding, finding
 from doctor.parse import UPSTREAM, Record
 
 RELEASED = UPSTREAM + "kv.stranded_on_prefill"
 READ_LATE = UPSTREAM + "kv.read_after_expiry"
 READ_AFTER_RELEASE_S = 3.0  # vLLM stamps its lines to the second; recorded: the read a second after the release
-_REQUEST = re.compile(r"for (?:unrecognized )?request (\S+)")
-_STAMP = re.compile(r"\b(\d\d-\d\d \d\d:\d\d:\d\d)\b")  # vLLM's "WARNING 12-02 18:21:24 [file.py:N]"
 
 
 def check(ctx: Context) -> list[Finding]:
@@ -70,17 +68,12 @@ def stalled_pairs(ctx: Context) -> list[tuple[Record, Record, float]]:
 
 
 def _vllm_request(record: Record) -> str | None:
-    found = _REQUEST.search(record.line)
-    return found.group(1) if found else None
+    return next(iter(engine_lines.request_ids(record.line)), None)
 
 
 def _seconds_between(first: Record, then: Record) -> float | None:
-    """Seconds from `first` to `then` by the stamps vLLM wrote in the lines (the doctor's own ts when it has one)."""
-    stamps = [_STAMP.search(r.line) for r in (first, then)]
-    if stamps[0] and stamps[1]:
-        a, b = (datetime.strptime(s.group(1), "%m-%d %H:%M:%S") for s in stamps)  # type: ignore[union-attr]
-        return (b - a).total_seconds()
-    if first.ts and then.ts:
-        return (datetime.fromisoformat(then.ts.replace("Z", "+00:00"))
-                - datetime.fromisoformat(first.ts.replace("Z", "+00:00"))).total_seconds()
-    return None
+    """Seconds from `first` to `then` by the stamps vLLM wrote in the lines (to the second, no year)."""
+    a, b = engine_lines.stamp(first.line), engine_lines.stamp(then.line)
+    if a is None or b is None:
+        return None
+    return (datetime.strptime(b, "%m-%dT%H:%M:%S") - datetime.strptime(a, "%m-%dT%H:%M:%S")).total_seconds()
