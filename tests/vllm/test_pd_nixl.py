@@ -3,8 +3,9 @@
 Proven from vLLM's own evidence, not the router's: decode's `vllm:nixl_xfer_time_seconds_count` (one NIXL read per
 request, vllm/distributed/kv_transfer/kv_connector/v1/nixl/stats.py) and its `KV Transfer metrics: Num successful
 transfers=…` log line (kv_connector/v1/metrics.py). Reliability on a loaded 2-core machine (pd_server, kv_config):
-prefill and decode pinned to different cores, NIXL's UCX backend with one worker thread instead of 4, and its progress
-thread sleeping between polls instead of spinning (scripts/vllm-cpu.sh patch_nixl).
+prefill and decode pinned to different cores (decode on core 0, prefill on the last core, as the compose overlay runs
+them), NIXL's UCX backend with one worker thread instead of 4, its progress thread sleeping between polls instead of
+spinning (scripts/vllm-cpu.sh patch_nixl), and vLLM's KV-core pin kept on each engine's own core (patch_vllm_kv_core).
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ def pd_server(venv: Path, checkpoint: Path, workdir: Path, role: str, core: str)
 @pytest.fixture(scope="module")
 def pd(vllm_venv, checkpoint, tmp_path_factory, started) -> Iterator[RouterProcess]:
     workdir = tmp_path_factory.mktemp("pd")
-    decode = pd_server(vllm_venv, checkpoint, workdir, "kv_consumer", "1")
+    decode = pd_server(vllm_venv, checkpoint, workdir, "kv_consumer", "0")
     started.append(decode)
-    prefill = pd_server(vllm_venv, checkpoint, workdir, "kv_producer", "0")
+    prefill = pd_server(vllm_venv, checkpoint, workdir, "kv_producer", "1")
     started.append(prefill)
     decode.wait_healthy()
     prefill.wait_healthy()
@@ -98,6 +99,40 @@ def test_idle_prefill_and_decode_leave_the_cores(pd) -> None:
     time.sleep(10)
     used = cpu_seconds(pd.prefill, pd.decode) - before
     assert used / 10 < 0.8, f"idle prefill + decode used {used / 10:.2f} cores"
+
+
+def main_worker_affinity(server: VllmServer) -> set[int]:
+    """The cores the engine's model-running thread (the worker process's main thread) may use."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, rest = stat.read_text().split(" (", 1)
+            comm, fields = rest.rsplit(") ", 1)
+        except OSError:
+            continue
+        if comm == "VLLM::Worker" and int(fields.split()[2]) == server.process.pid:  # pgrp
+            return os.sched_getaffinity(int(pid))
+    raise AssertionError(f"no VLLM::Worker process in {server.url}'s process group")
+
+
+def test_each_engine_runs_its_model_on_its_own_core(pd) -> None:
+    """vLLM's NIXL worker on CPU moves each engine's main worker thread to the host's last core ("reserved for KV
+    transfer"), whatever VLLM_CPU_OMP_THREADS_BIND said; the installed vLLM picks the last core the thread is bound to
+    instead (scripts/vllm-cpu.sh patch_vllm_kv_core). Unpatched, decode's thread sat on the prefill's core 1, runnable
+    and starved while the prefill held KV, and decode waited out the prefill's 30 s lease (docs/vllm-cpu.md)."""
+    assert main_worker_affinity(pd.decode) == {0}
+    assert main_worker_affinity(pd.prefill) == {1}
+
+
+async def test_decode_does_not_wait_out_the_prefill_kv_lease(pd, oai) -> None:
+    """Sequential PD requests each end far inside the prefill's 30 s KV lease. Before patch_vllm_kv_core, 2 of 3 such
+    requests took 31 s on this layout: decode ran only once the prefill stopped stepping at the lease's end."""
+    for i in range(6):
+        started = time.monotonic()
+        answer = await oai.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                                   messages=[{"role": "user", "content": f"request {i}: say hi"}])
+        took = time.monotonic() - started
+        assert answer.choices[0].finish_reason in ("length", "stop")
+        assert took < 10, f"request {i} took {took:.1f} s: decode waited for the prefill's KV lease (30 s)"
 
 
 async def test_non_streamed_chat_crosses_nixl(pd, oai) -> None:

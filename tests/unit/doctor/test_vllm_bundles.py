@@ -89,7 +89,7 @@ def test_decode_reads_that_wait_for_the_lease_are_named_not_a_longer_lease():
     first, second, third = (r["request_id"] for r in _router_lines("vllm_lease_wait", "router.request_done"))
     assert stall.severity == "error" and set(stall.request_ids) == {first, second}
     assert {e.service for e in stall.evidence} == {"prefill"}
-    assert "do not raise the lease" in stall.fix and "NixlPushConnector" in stall.fix
+    assert "do not raise the lease" in stall.fix and "patch_vllm_kv_core" in stall.fix and "DECODE_CPUS" in stall.fix
     # the generic findings, whose fix is a longer lease, step back for the requests this one explains
     assert "kv.read_after_expiry" not in ids(findings)
     assert set(by_id(findings, "kv.stranded_on_prefill").request_ids) == {third}
