@@ -95,7 +95,20 @@ def arms_problems(args: argparse.Namespace) -> list[str]:
         if engine == "vllm" and args.checkpoint.startswith("dummy:"):
             problems.append(f"--stacks {name}: vLLM serves Hugging Face checkpoints, not {args.checkpoint}; pass "
                             f"--checkpoint {TINY_LLAMA} (or a checkpoint directory) so every arm serves the same files")
-    return problems
+    return problems + checkpoint_problems(args)
+
+
+def checkpoint_problems(args: argparse.Namespace) -> list[str]:
+    """A checkpoint directory the engines cannot read: they run as unprivileged users in their containers, and a
+    file only its owner may read (safetensors writes 0600) would leave them unhealthy at start, with no word why."""
+    if args.checkpoint.startswith("dummy:") or args.checkpoint == TINY_LLAMA:
+        return []
+    directory = Path(args.checkpoint)
+    if not directory.is_dir():
+        return [f"--checkpoint {args.checkpoint}: no such directory"]
+    return [f"--checkpoint {args.checkpoint}: {path.name} is not readable by the engines' unprivileged user "
+            f"(mode {path.stat().st_mode & 0o777:o}); chmod a+r {path}"
+            for path in sorted(directory.iterdir()) if path.is_file() and not path.stat().st_mode & 0o004]
 
 
 def checkpoint_env(args: argparse.Namespace) -> dict[str, str]:

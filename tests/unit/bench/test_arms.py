@@ -57,6 +57,22 @@ def test_vllm_arms_need_a_checkpoint_both_engines_serve(tmp_path) -> None:
     assert any("--checkpoint tiny-llama" in p for p in compare.check(args))
 
 
+def test_a_checkpoint_the_engines_cannot_read_is_refused_by_file(tmp_path) -> None:
+    """The engines run unprivileged in their containers: a weights file only its owner may read is named up front
+    instead of leaving the engine unhealthy at start."""
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text("{}")
+    (checkpoint / "config.json").chmod(0o644)
+    (checkpoint / "model.safetensors").write_bytes(b"")
+    (checkpoint / "model.safetensors").chmod(0o600)
+    args = parse("--stacks", "vllm:colocated", "--checkpoint", str(checkpoint), out=tmp_path)
+    problems = compare.check(args)
+    assert len(problems) == 1 and "model.safetensors" in problems[0] and "chmod a+r" in problems[0]
+    (checkpoint / "model.safetensors").chmod(0o644)
+    assert compare.check(parse("--stacks", "vllm:colocated", "--checkpoint", str(checkpoint), out=tmp_path)) == []
+
+
 def rendered_project(tmp_path, stack: str, *extra: str) -> dict:
     """The project file `compose` would start for a vLLM arm, from the real compose.yaml + compose.vllm-cpu.yaml."""
     args = parse("--stacks", stack, "--checkpoint", "tiny-llama", "--max-model-len", "4096", *extra, out=tmp_path)

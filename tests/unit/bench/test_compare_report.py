@@ -82,6 +82,11 @@ def test_compare_over_running_stacks_sweeps_repeats_and_reports(tmp_path) -> Non
     assert len(slow.bodies) == len(fast.bodies) == 2 * (2 + 2 * 6)  # per repeat: readiness, warm-up, two sweep points
     # Same seed: both stacks got the same prompts in the same order.
     assert [b["messages"] for b in slow.bodies] == [b["messages"] for b in fast.bodies]
+    # Each point its own prompts (else the second finds the first's in the prefix cache), the same in every repeat.
+    prompts = [json.dumps(b["messages"]) for b in slow.bodies]
+    point_20, point_40 = set(prompts[2:8]), set(prompts[8:14])
+    assert not point_20 & point_40 and not point_20 & {prompts[1]}
+    assert set(prompts[16:22]) == point_20 and set(prompts[22:28]) == point_40
     table = (tmp_path / "compare.md").read_text()
     assert "Hardware:" in table and "Goodput SLOs: tpot ≤ 1000 ms" in table
     assert "Repeats: 2, arm order alternate: 1: colocated, disaggregated; 2: disaggregated, colocated" in table
