@@ -241,7 +241,8 @@ def write_report(args: argparse.Namespace, specs: list[Arm], runs: list[dict], c
         section = summary.engine_section(runs, engine, args.knee_attainment, unit_name)
         if section:
             chart = load_chart([r for r in runs if summary.engine_of(r["stack"]) == engine], out / f"load-{engine}.png",
-                               unit_name, title=f"{engine}: {args.checkpoint}, median and min–max of {args.repeats} repeats")
+                               unit_name, title=f"{engine}: {args.checkpoint}, median and min–max of "
+                                     f"{len(summary.repeats_of(runs))} repeats")  # those that ran
             body += [*section, f"![latency and goodput vs load]({chart.name})", ""]
     first = [r for r in runs if r["repeat"] == 0]
     names = list(dict.fromkeys(r["stack"] for r in first))
