@@ -13,7 +13,12 @@ Decode runs out in two ways: its batch grows until each step is slow (TPOT), or 
 memory, max_num_seqs) and new requests wait for a place before their first decoded chunk (the hand-off,
 which is part of TTFT, hence its budget). A pool whose pressure is over 1 (its SLO missed)
 and at least `DOMINANCE` times the other's is the one to grow: more prefill, more decode. Neither over
-1: balanced. Both over and close: both. The suggested size is the replicas that bring the pressure to 1
+1: balanced, unless TTFT itself misses its SLO: in PD its parts add up (the prefill leg, the hand-off, the
+router's queue), so a window where each part fits the budget alone and the sum does not is `pd_overhead`:
+no pool is short, the path is, and more replicas will not bring TTFT under (on a 2-core machine vLLM-CPU's
+1P1D missed a 2 s TTFT at 0.5 req/s with both pools idle, where one colocated engine met it:
+docs/benchmark.md). Colocated (no prefill leg), the one engine does the prompt too, so TTFT's pressure is
+decode's. Both over and close: both. The suggested size is the replicas that bring the pressure to 1
 if throughput scales with replicas (`ceil(n × pressure)`, at least n + 1), at most doubling the pool per
 step (planners move in steps; run advise again after the change): a starting point, not a promise. TTFT, the KV hand-off, the queue depth and the pools' requests in flight are shown beside it.
 SLOs: the router's own (PD_SLO_TTFT_MS / PD_SLO_TPOT_MS, exported as pd_router_slo_*), or given.
@@ -104,7 +109,7 @@ def window(scrapes: list[Scrape]) -> Window:
 
 @dataclass(frozen=True)
 class Advice:
-    verdict: str  # more_prefill | more_decode | both | balanced | no_traffic
+    verdict: str  # more_prefill | more_decode | both | balanced | pd_overhead | no_traffic
     prefill_pressure: float | None
     decode_pressure: float | None
     suggested: dict[str, int]  # role -> replicas (only the roles to grow)
@@ -114,7 +119,9 @@ def advise(w: Window, ttft_slo_s: float | None = None, tpot_slo_s: float | None 
     """The recommendation for window `w` (SLOs: the given ones, else the router's)."""
     ttft_slo, tpot_slo = ttft_slo_s or w.slo_ttft_s, tpot_slo_s or w.slo_tpot_s
     prefill = w.prefill_s / ttft_slo if w.prefill_s is not None else None
-    decode_parts = [w.tpot_s / tpot_slo if w.tpot_s is not None else None, w.handoff_s / ttft_slo if w.handoff_s is not None else None]
+    ttft = w.ttft_s / ttft_slo if w.ttft_s is not None and w.requests else None
+    decode_parts = [w.tpot_s / tpot_slo if w.tpot_s is not None else None, w.handoff_s / ttft_slo if w.handoff_s is not None else None,
+                    ttft if prefill is None else None]  # colocated: the engine computes the prompt too
     decode = max((part for part in decode_parts if part is not None), default=None)
     if prefill is None and decode is None:
         return Advice("no_traffic", None, None, {})
@@ -125,7 +132,7 @@ def advise(w: Window, ttft_slo_s: float | None = None, tpot_slo_s: float | None 
         return {role: min(2 * n, max(n + 1, math.ceil(n * pressure)))}
 
     if max(p, d) <= 1:
-        return Advice("balanced", prefill, decode, {})
+        return Advice("pd_overhead" if ttft is not None and ttft > 1 else "balanced", prefill, decode, {})
     if p >= DOMINANCE * d:
         return Advice("more_prefill", prefill, decode, grow("prefill", p))
     if d >= DOMINANCE * p:
@@ -146,6 +153,7 @@ _TITLES = {
     "more_decode": "decode-bound: add decode replicas",
     "both": "both pools miss their SLO: add prefill and decode replicas",
     "balanced": "balanced: both pools meet their SLO",
+    "pd_overhead": "TTFT misses its SLO though neither pool does: the PD path's parts add up; more replicas will not help",
     "no_traffic": "no requests in the window: nothing to advise on",
 }
 
@@ -164,11 +172,15 @@ def findings(advice: Advice, w: Window, ttft_slo_s: float | None = None, tpot_sl
         fix = (f"./pd scale prefill={sizes.get('prefill', 1)} decode={sizes.get('decode', 1)}   (Kubernetes: "
                + "; ".join(f"kubectl -n pd-deploy scale deployment/{role} --replicas={n}" for role, n in sorted(advice.suggested.items()))
                + "); then run `doctor advise` again under the same load")
+    elif advice.verdict == "pd_overhead":
+        fix = (f"shorten the path: the KV hand-off ({_ms(w.handoff_s)}) is the part PD adds; `python -m doctor diagnose` names a slow "
+               "KV transport (NIXL over TCP, a lease wait). Or serve colocated (`./pd colocated`), where the prompt costs one engine's "
+               "prefill and no hand-off; measure both under this load with `python -m stack.bench compare`")
     elif advice.verdict == "no_traffic":
         fix = "run it while the stack serves its usual load, or with a longer --window"
     else:
         fix = "nothing to change; the larger pressure is the pool to grow first when load rises"
-    severity = "warning" if advice.suggested else "ok"
+    severity = "warning" if advice.suggested or advice.verdict == "pd_overhead" else "ok"
     return [Finding(f"advise.{advice.verdict}", severity, _TITLES[advice.verdict], cause, fix)]
 
 

@@ -225,6 +225,12 @@ def runs_table(runs: list[dict], unit_name: str) -> str:
     return "\n".join(lines)
 
 
+def model_label(checkpoint: str) -> str:
+    """The checkpoint as the report's titles name it: a dummy model's id, or a directory's own name (not where it lies
+    on the machine that ran the experiment)."""
+    return checkpoint if checkpoint.startswith("dummy:") else Path(checkpoint).name
+
+
 def write_report(args: argparse.Namespace, specs: list[Arm], runs: list[dict], command: str, orders: list[list[str]]) -> Path:
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
@@ -233,7 +239,8 @@ def write_report(args: argparse.Namespace, specs: list[Arm], runs: list[dict], c
         (out / "runs" / f"{name}.json").write_text(json.dumps(r))
     unit_name = unit(args)
     flagged = sum(r["load_flagged"] for r in runs)
-    body = [f"# Colocated vs disaggregated ({args.checkpoint})", "", conditions(args, specs, command, orders), ""]
+    model = model_label(args.checkpoint)
+    body = [f"# Colocated vs disaggregated ({model})", "", conditions(args, specs, command, orders), ""]
     if flagged:
         body += [f"**{flagged} of {len(runs)} runs started with the host's load above {args.max_load or os.cpu_count()}: "
                  "their figures measure other work too (Flagged column below).**", ""]
@@ -241,7 +248,7 @@ def write_report(args: argparse.Namespace, specs: list[Arm], runs: list[dict], c
         section = summary.engine_section(runs, engine, args.knee_attainment, unit_name)
         if section:
             chart = load_chart([r for r in runs if summary.engine_of(r["stack"]) == engine], out / f"load-{engine}.png",
-                               unit_name, title=f"{engine}: {args.checkpoint}, median and min–max of "
+                               unit_name, title=f"{engine}: {model}, median and min–max of "
                                      f"{len(summary.repeats_of(runs))} repeats")  # those that ran
             body += [*section, f"![latency and goodput vs load]({chart.name})", ""]
     first = [r for r in runs if r["repeat"] == 0]
@@ -251,7 +258,7 @@ def write_report(args: argparse.Namespace, specs: list[Arm], runs: list[dict], c
     if detail:
         body += [f"## Detail: repeat 1 at {common:g} {unit_name}", "", report.comparison_table(detail), "", "![latency](compare.png)",
                  "", "Prefix cache and routing (router /metrics over the run):", "", report.cache_table(detail), ""]
-        report.comparison_chart(detail, out / "compare.png", title=f"{args.checkpoint}, repeat 1, {common:g} {unit_name}")
+        report.comparison_chart(detail, out / "compare.png", title=f"{model}, repeat 1, {common:g} {unit_name}")
     body += ["## Every run", "", runs_table(runs, unit_name), ""]
     path = out / "compare.md"
     path.write_text("\n".join(body))

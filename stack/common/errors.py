@@ -9,7 +9,7 @@ in the logging context and echoes it on the response.
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -156,6 +156,12 @@ def error_middleware(render: Renderer = lambda _r, e: openai_error_body(e)) -> C
     return middleware
 
 
+def new_id() -> str:
+    """A fresh random id (request, KV transfer, limiter slot): 32 hex digits, the form of uuid4().hex for a quarter of
+    its cost; each request mints several on the router's hot path."""
+    return os.urandom(16).hex()
+
+
 CLIENT_REQUEST_ID = web.RequestKey("client_request_id", str)  # the X-Request-ID a client sent, when ours is minted (below)
 
 
@@ -165,7 +171,7 @@ async def unique_request_id_middleware(request: web.Request,
     """The router's: every request gets a fresh id (response ids, logs, the engine legs are named by it), so two
     requests never share one. A client's X-Request-ID is kept as `client_request_id` (on every log line of the request)
     and echoed back in X-Client-Request-ID; our id goes back in X-Request-ID."""
-    request_id = uuid.uuid4().hex
+    request_id = new_id()
     client_id = request.headers.get(REQUEST_ID_HEADER, "").strip()[:128]
     request[REQUEST_ID] = request_id
     if client_id:
@@ -191,7 +197,7 @@ async def echo_client_request_id(request: web.Request, response: web.StreamRespo
 async def request_id_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """The engines': accept X-Request-ID (the router names each leg; or mint one), log under it, and echo it back.
     X-Client-Request-ID (the router passes on its client's own id) goes on the lines as client_request_id."""
-    request_id = request.headers.get(REQUEST_ID_HEADER, "").strip()[:128] or uuid.uuid4().hex
+    request_id = request.headers.get(REQUEST_ID_HEADER, "").strip()[:128] or new_id()
     request[REQUEST_ID] = request_id
     with request_context(request_id, request.headers.get(CLIENT_REQUEST_ID_HEADER, "").strip()[:128] or None):
         response = await handler(request)

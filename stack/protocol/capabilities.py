@@ -42,6 +42,8 @@ class Capabilities:
 
     def __and__(self, other: Capabilities) -> Capabilities:
         """What both backends honour (a request may land on either)."""
+        if other == self:  # the usual pools: every backend alike (asked per request, so not rebuilt each time)
+            return self
         return Capabilities(**{name: getattr(self, name) and getattr(other, name) for name in FLAGS})
 
 

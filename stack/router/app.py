@@ -24,7 +24,7 @@ from stack.common import events
 from stack.common.config import ConfigError
 from stack.common import internal_auth, safe_json
 from stack.common.errors import (
-    APIError, PayloadTooLarge, RequestTimeout, UnsupportedMediaType, echo_client_request_id,
+    REQUEST_ID, REQUEST_ID_HEADER, APIError, PayloadTooLarge, RequestTimeout, UnsupportedMediaType, echo_client_request_id,
     error_middleware, openai_error_body, unique_request_id_middleware,
 )
 from stack.common.logging import SUMMARY_LOGGED, log_event
@@ -67,7 +67,7 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         return await handler(request)
     limiter = request.app[LIMITER]
     started = time.perf_counter()
-    status, caller, slot = 500, None, ""
+    status, caller, slot, charge = 500, None, "", None
     try:
         request[CALLER] = keyring.authenticate(request.headers)
         await _read_body(request)  # a body that never arrives must not hold one of the key's slots
@@ -75,6 +75,17 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         caller = request[CALLER]
         response = await handler(request)
         status = response.status
+        if not response.prepared:
+            # A whole answer leaves once its tokens are charged (a client that has it sees them in /v1/usage and in its
+            # next quota check), before the usage commit and the summary line, which add nothing it waits for.
+            # (A stream's relay has sent everything already; it is charged below.)
+            charge = await _charge_ahead(request, caller, slot)
+            response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]  # set by the id middleware after us: too late once sent
+            try:
+                await response.prepare(request)
+                await response.write_eof()
+            except ConnectionResetError:
+                request[STREAM_ERROR] = "client_disconnected"
         return response
     except APIError as err:
         status = err.status
@@ -88,7 +99,7 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         request.app[METRICS].observe_request(api, status, e2e)  # rejected requests count too
         if caller is not None:
             # Shielded: a client that leaves cancels the handler, and its slot must still be given back.
-            await asyncio.shield(_request_done(request, api, caller, slot, status, e2e))
+            await asyncio.shield(_request_done(request, api, caller, slot, status, e2e, charge))
 
 
 _THREAD_SCAN_BYTES = 256 * 1024  # bigger bodies are checked in a worker thread (~50 ms a MB)
@@ -108,8 +119,11 @@ async def _read_body(request: web.Request) -> None:
     if request.content_length is not None and request.content_length > limit:
         return  # read_json answers 413 with the precise message, without reading it
     try:
-        async with asyncio.timeout(server.body_timeout_ms / 1000):
+        if request.content.is_eof():  # the whole body came with the head: no wait to bound
             raw = await request.read()
+        else:
+            async with asyncio.timeout(server.body_timeout_ms / 1000):
+                raw = await request.read()
     except TimeoutError:
         log_event(events.HTTP_BODY_TIMEOUT, f"the request body did not arrive within {server.body_timeout_ms / 1000:g}s", "WARNING",
                   limit_s=server.body_timeout_ms / 1000)
@@ -122,10 +136,30 @@ async def _read_body(request: web.Request) -> None:
         safe_json.check_body(raw)
 
 
-async def _request_done(request: web.Request, api: str, caller: Caller, slot: str, status: int, e2e: float) -> None:
-    """Free the key's slot, charge its tokens, and log the request's one summary line once they are in the usage file."""
+async def _charge(request: web.Request, caller: Caller, slot: str) -> None:
+    """Free the key's slot and charge the request's tokens to it (memory at once, the usage file at its group commit)."""
     prompt, completion = request.get(TOKENS, (0, 0))
     await request.app[LIMITER].release(caller, slot, prompt, completion)
+
+
+async def _charge_ahead(request: web.Request, caller: Caller, slot: str) -> asyncio.Future[None]:
+    """Charge a request before its answer leaves; the future `_request_done` waits for."""
+    if request.app[LIMITER].counters.remote:
+        charge = asyncio.ensure_future(_charge(request, caller, slot))
+        await asyncio.shield(charge)  # a client that leaves meanwhile must not stop its charge
+        return charge
+    await _charge(request, caller, slot)  # in memory: ends without suspending, so no cancellation can stop it halfway
+    done = asyncio.get_running_loop().create_future()
+    done.set_result(None)
+    return done
+
+
+async def _request_done(request: web.Request, api: str, caller: Caller, slot: str, status: int, e2e: float,
+                        charge: asyncio.Future[None] | None) -> None:
+    """Charge the request (or wait for the charge made before its answer left), and log its one summary line once the
+    charge is in the usage file."""
+    await (charge if charge is not None else _charge(request, caller, slot))
+    prompt, completion = request.get(TOKENS, (0, 0))
     await request.app[USAGE].durable()  # the line below promises the request is in the usage file (usage.py)
     failed = status >= 400 or STREAM_ERROR in request
     log_event(events.ROUTER_REQUEST_DONE, f"{api} request done: {status}", "WARNING" if failed else "INFO",

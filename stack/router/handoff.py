@@ -18,13 +18,12 @@ and the KV lease a decode leg must start within are this module's too.
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, get_args
 
 from stack.common import events
 from stack.common.config import check
-from stack.common.errors import UpstreamError
+from stack.common.errors import UpstreamError, new_id
 from stack.common.logging import log_event
 from stack.router.backends import Backend
 from stack.router.p2pnccl import leg_request_id
@@ -146,7 +145,7 @@ class Push:
 
     def route(self, request_id: str, prefill: Backend, decode: Backend) -> Route:
         assert decode.kv_addr, f"{decode} is usable before its KV address was learned"
-        transfer_id = uuid.uuid4().hex  # one per prefill attempt: a retried prefill never collides with a late push
+        transfer_id = new_id()  # one per prefill attempt: a retried prefill never collides with a late push
         return Route(request_id, transfer_id, {"do_remote_decode": True, "transfer_id": transfer_id, "decode_kv_addr": decode.kv_addr})
 
     def decode_params(self, route: Route, answer: dict[str, Any]) -> dict[str, Any] | None:

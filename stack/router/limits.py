@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from stack.common import events
-from stack.common.errors import QuotaExhausted, RateLimited
+from stack.common.errors import QuotaExhausted, RateLimited, new_id
 from stack.common.logging import log_event
 from stack.router.auth import Caller
 from stack.router.config import KeyLimits
@@ -48,6 +47,8 @@ class Refusal:
 
 class Counters(Protocol):
     """Where per-key windows, in-flight slots and totals are kept: one process, or a store routers share."""
+
+    remote: bool  # whether a call waits on another process (a cancelled caller could stop it halfway)
 
     async def take(self, name: str, limits: KeyLimits, slot: str) -> Refusal | None:
         """Atomically check every limit and, if none refuses, hold `slot` and count the request's start."""
@@ -91,6 +92,8 @@ class _KeyState:
 
 class MemoryCounters:
     """The embedded default: windows and slots in this process; the quota from the usage file's totals."""
+
+    remote = False  # every call ends without suspending
 
     def __init__(self, usage: UsageStore, clock: Callable[[], float] = time.monotonic) -> None:
         self._usage = usage
@@ -154,7 +157,7 @@ class Limiter:
     async def admit(self, caller: Caller) -> str:
         """Take a slot for one request and return its id, or raise QuotaExhausted / RateLimited with the reason."""
         limits, name = caller.limits, caller.name
-        slot = uuid.uuid4().hex
+        slot = new_id()
         refusal = await self.counters.take(name, limits, slot)
         if refusal is None:
             self._local[name] += 1

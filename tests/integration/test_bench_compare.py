@@ -48,5 +48,5 @@ def test_compare_sweeps_two_arms_over_two_repeats_and_writes_the_report(app_imag
     assert sorted((r["repeat"], r["stack"], r["sweep_point"]) for r in runs) == sorted(
         (rep, arm, point) for rep in (0, 1) for arm in ("colocated", "disaggregated") for point in (2.0, 4.0))
     assert all(r["completed"] == 4 and r["loadavg_1m_before"] >= 0 and r["loadavg_1m_after"] >= 0 for r in runs)
-    assert all(r["advise"]["verdict"] in ("balanced", "more_prefill", "more_decode", "both") for r in runs)
+    assert all(r["advise"]["verdict"] in ("balanced", "more_prefill", "more_decode", "both", "pd_overhead") for r in runs)
     assert (tmp_path / "load-numpy.png").read_bytes().startswith(PNG_MAGIC)

@@ -102,6 +102,12 @@ def test_compare_over_running_stacks_sweeps_repeats_and_reports(tmp_path) -> Non
     assert every.count("| colocated |") == every.count("| disaggregated |") == 4
 
 
+def test_reports_name_a_checkpoint_directory_by_its_own_name() -> None:
+    """Titles and headings say which model, not where it lay on the machine that ran the experiment."""
+    assert compare.model_label("/data/checkpoints/small-llama") == "small-llama"
+    assert compare.model_label("dummy:small") == "dummy:small"
+
+
 def test_stack_specs_pin_the_same_cores() -> None:
     """Default budget: colocated engine on cores 0,1; prefill on 0 and decode on 1; --url skips compose."""
     parser = argparse.ArgumentParser()

@@ -48,6 +48,19 @@ def test_the_rule_names_the_pool_that_misses_its_slo() -> None:
     assert (waiting_for_decode.verdict, waiting_for_decode.decode_pressure) == ("more_decode", pytest.approx(2.0))
 
 
+def test_a_ttft_that_misses_its_slo_is_never_balanced() -> None:
+    """PD: each leg fits the TTFT budget alone but TTFT does not (the legs add up, the pools are idle) → pd_overhead,
+    no replicas suggested, a warning whose fix names the hand-off and the colocated stack. Colocated (no prefill leg):
+    a TTFT over its SLO is the one engine's pressure → more decode."""
+    adds_up = advise.advise(window(ttft_s=1.4, prefill_s=0.5, handoff_s=0.8, in_flight={"decode": 0.3, "prefill": 0.2}))
+    assert (adds_up.verdict, adds_up.suggested) == ("pd_overhead", {})
+    [found] = advise.findings(adds_up, window(ttft_s=1.4, prefill_s=0.5, handoff_s=0.8))
+    assert found.severity == "warning" and "800 ms" in found.fix and "./pd colocated" in found.fix
+    assert advise.advise(window(ttft_s=0.9, prefill_s=0.5, handoff_s=0.3)).verdict == "balanced"  # TTFT within: balanced
+    colocated = advise.advise(window(ttft_s=1.6, prefill_s=None, handoff_s=None, pools={"decode": 1}))
+    assert (colocated.verdict, colocated.suggested) == ("more_decode", {"decode": 2})
+
+
 def test_window_reads_histogram_deltas_and_gauges_from_the_router_exposition() -> None:
     """Means are (sum, count) differences between the first and last scrape; pools and in-flight come from the gauges."""
     def body(prefill_sum: float, count: int, in_flight: int) -> str:

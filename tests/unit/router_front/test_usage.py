@@ -14,7 +14,9 @@ import pytest
 
 from stack.common.logging import setup_logging
 from stack.router.usage import UsageStore
-from tests.unit.router_front.conftest import KEY, KEY_ENV, ServiceProcess, auth, chat_body, free_port, write_settings
+from tests.unit.router_front.conftest import (
+    KEY, KEY_ENV, ServiceProcess, auth, chat_body, free_port, log_events, wait_for_events, write_settings,
+)
 
 
 async def test_usage_counts_requests_and_tokens_per_key(router) -> None:
@@ -135,8 +137,31 @@ async def test_request_done_is_logged_only_once_the_request_is_in_the_file(make_
     answers = await asyncio.gather(*(router.post("/v1/chat/completions", json=chat_body(stream=i % 2 == 0), headers=auth())
                                      for i in range(8)))
     assert [a.status for a in answers] == [200] * 8
+    await wait_for_events(sink, "router.request_done", 8)  # a whole answer leaves before its commit and its line
     assert len(sink.done_vs_file) == 8
     assert all(in_file >= logged for logged, in_file in sink.done_vs_file), sink.done_vs_file
+
+
+async def test_a_whole_answer_leaves_charged_without_waiting_for_the_usage_file(make_router, logs, monkeypatch) -> None:
+    """A non-streamed answer does not wait for the usage file's commit, but its tokens are charged before it leaves:
+    with the commit held, the client has its answer, GET /v1/usage counts it and the next request meets the quota it
+    used up. Its router.request_done line still waits for the commit (the kill -9 promise)."""
+    held: list[UsageStore] = []
+    commit = UsageStore._group_commit
+    monkeypatch.setattr(UsageStore, "_group_commit", lambda store: held.append(store))
+    router = await make_router(limits="token_quota = 1")  # one request of any size uses it up
+    # Its own connection: a keep-alive connection takes its next request once this one's handler is done, commit included.
+    answer = await asyncio.wait_for(router.post("/v1/chat/completions", json=chat_body(), headers={**auth(), "Connection": "close"}), 10)
+    assert answer.status == 200 and held, "the answer came, and the commit it could have waited for is still held"
+    used = (await answer.json())["usage"]["total_tokens"]
+    usage = await (await router.get("/v1/usage", headers=auth())).json()
+    assert (usage["requests"], usage["total_tokens"]) == (1, used)
+    refused = await router.post("/v1/chat/completions", json=chat_body(), headers=auth())
+    assert refused.status == 429 and (await refused.json())["error"]["type"] == "insufficient_quota"
+    assert [e for e in log_events(logs) if e["event"] == "router.request_done"] == []
+    commit(held[0])
+    [done] = await wait_for_events(logs, "router.request_done", 1)
+    assert done["status"] == 200 and done["completion_tokens"] + done["prompt_tokens"] == used
 
 
 async def test_kill_9_under_load_loses_no_request_whose_done_line_was_logged(real_engine, tmp_path) -> None:
