@@ -79,7 +79,8 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
             # A whole answer leaves once its tokens are charged (a client that has it sees them in /v1/usage and in its
             # next quota check), before the usage commit and the summary line, which add nothing it waits for.
             # (A stream's relay has sent everything already; it is charged below.)
-            charge = await _charge_ahead(request, caller, slot)
+            charge = _start_charge(request, caller, slot)  # held before any await: _request_done must not charge twice
+            await asyncio.shield(charge)  # a client that leaves meanwhile must not stop its charge
             response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]  # set by the id middleware after us: too late once sent
             try:
                 await response.prepare(request)
@@ -142,16 +143,20 @@ async def _charge(request: web.Request, caller: Caller, slot: str) -> None:
     await request.app[LIMITER].release(caller, slot, prompt, completion)
 
 
-async def _charge_ahead(request: web.Request, caller: Caller, slot: str) -> asyncio.Future[None]:
-    """Charge a request before its answer leaves; the future `_request_done` waits for."""
+def _start_charge(request: web.Request, caller: Caller, slot: str) -> asyncio.Future[None]:
+    """A request's charge, started before its answer leaves: its own task when the limit store is across the network,
+    else run to its end here (in memory it never suspends) and returned done, without a task or a loop turn."""
     if request.app[LIMITER].counters.remote:
-        charge = asyncio.ensure_future(_charge(request, caller, slot))
-        await asyncio.shield(charge)  # a client that leaves meanwhile must not stop its charge
-        return charge
-    await _charge(request, caller, slot)  # in memory: ends without suspending, so no cancellation can stop it halfway
-    done = asyncio.get_running_loop().create_future()
-    done.set_result(None)
-    return done
+        return asyncio.ensure_future(_charge(request, caller, slot))
+    step = _charge(request, caller, slot)
+    try:
+        step.send(None)
+    except StopIteration:
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+    step.close()
+    raise AssertionError("the in-memory charge suspended: its counters must say remote = True")
 
 
 async def _request_done(request: web.Request, api: str, caller: Caller, slot: str, status: int, e2e: float,
