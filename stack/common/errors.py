@@ -177,17 +177,17 @@ async def unique_request_id_middleware(request: web.Request,
     if client_id:
         request[CLIENT_REQUEST_ID] = client_id
     with request_context(request_id, client_id or None):
-        response = await handler(request)
-    if not response.prepared:
-        response.headers[REQUEST_ID_HEADER] = request_id
-    return response
+        return await handler(request)  # echo_request_ids puts the ids on the answer, whoever sends it
 
 
 CLIENT_REQUEST_ID_HEADER = "X-Client-Request-ID"
 
 
-async def echo_client_request_id(request: web.Request, response: web.StreamResponse) -> None:
-    """on_response_prepare: every answer (streams too) echoes the client's X-Request-ID as X-Client-Request-ID."""
+async def echo_request_ids(request: web.Request, response: web.StreamResponse) -> None:
+    """The router's on_response_prepare: every answer (streams, and answers sent before the middlewares return) carries
+    our id in X-Request-ID and echoes the client's X-Request-ID as X-Client-Request-ID."""
+    if REQUEST_ID in request:
+        response.headers.setdefault(REQUEST_ID_HEADER, request[REQUEST_ID])
     client_id = request.get(CLIENT_REQUEST_ID)
     if client_id:
         response.headers[CLIENT_REQUEST_ID_HEADER] = client_id

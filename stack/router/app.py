@@ -12,6 +12,7 @@ limits, usage and the `router.request_done` line around generation routes). `/he
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sqlite3
 import time
@@ -24,7 +25,7 @@ from stack.common import events
 from stack.common.config import ConfigError
 from stack.common import internal_auth, safe_json
 from stack.common.errors import (
-    REQUEST_ID, REQUEST_ID_HEADER, APIError, PayloadTooLarge, RequestTimeout, UnsupportedMediaType, echo_client_request_id,
+    APIError, PayloadTooLarge, RequestTimeout, UnsupportedMediaType, echo_request_ids,
     error_middleware, openai_error_body, unique_request_id_middleware,
 )
 from stack.common.logging import SUMMARY_LOGGED, log_event
@@ -79,9 +80,8 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
             # A whole answer leaves once its tokens are charged (a client that has it sees them in /v1/usage and in its
             # next quota check), before the usage commit and the summary line, which add nothing it waits for.
             # (A stream's relay has sent everything already; it is charged below.)
-            charge = _start_charge(request, caller, slot)  # held before any await: _request_done must not charge twice
+            charge = asyncio.ensure_future(_charge(request, caller, slot))  # held first: _request_done waits for it
             await asyncio.shield(charge)  # a client that leaves meanwhile must not stop its charge
-            response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]  # set by the id middleware after us: too late once sent
             try:
                 await response.prepare(request)
                 await response.write_eof()
@@ -120,11 +120,9 @@ async def _read_body(request: web.Request) -> None:
     if request.content_length is not None and request.content_length > limit:
         return  # read_json answers 413 with the precise message, without reading it
     try:
-        if request.content.is_eof():  # the whole body came with the head: no wait to bound
+        # A body that came whole with the head has no wait to bound.
+        async with contextlib.nullcontext() if request.content.is_eof() else asyncio.timeout(server.body_timeout_ms / 1000):
             raw = await request.read()
-        else:
-            async with asyncio.timeout(server.body_timeout_ms / 1000):
-                raw = await request.read()
     except TimeoutError:
         log_event(events.HTTP_BODY_TIMEOUT, f"the request body did not arrive within {server.body_timeout_ms / 1000:g}s", "WARNING",
                   limit_s=server.body_timeout_ms / 1000)
@@ -141,22 +139,6 @@ async def _charge(request: web.Request, caller: Caller, slot: str) -> None:
     """Free the key's slot and charge the request's tokens to it (memory at once, the usage file at its group commit)."""
     prompt, completion = request.get(TOKENS, (0, 0))
     await request.app[LIMITER].release(caller, slot, prompt, completion)
-
-
-def _start_charge(request: web.Request, caller: Caller, slot: str) -> asyncio.Future[None]:
-    """A request's charge, started before its answer leaves: its own task when the limit store is across the network,
-    else run to its end here (in memory it never suspends) and returned done, without a task or a loop turn."""
-    if request.app[LIMITER].counters.remote:
-        return asyncio.ensure_future(_charge(request, caller, slot))
-    step = _charge(request, caller, slot)
-    try:
-        step.send(None)
-    except StopIteration:
-        done = asyncio.get_running_loop().create_future()
-        done.set_result(None)
-        return done
-    step.close()
-    raise AssertionError("the in-memory charge suspended: its counters must say remote = True")
 
 
 async def _request_done(request: web.Request, api: str, caller: Caller, slot: str, status: int, e2e: float,
@@ -208,7 +190,7 @@ def create_app(config: RouterConfig, env: Mapping[str, str] | None = None) -> we
     # One byte over the limit is enough for read_json to tell "too large" with its precise message.
     app = web.Application(middlewares=[unique_request_id_middleware, error_middleware(render_error), guard],
                           client_max_size=config.server.max_body_bytes + 1)
-    app.on_response_prepare.append(echo_client_request_id)
+    app.on_response_prepare.append(echo_request_ids)
     app[CONFIG] = config
     app[KEYRING] = KeyRing.from_environment(config, load_keys_file(config), env)
     app[INTERNAL_KEY] = internal_auth.internal_key(env) or ""

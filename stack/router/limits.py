@@ -48,8 +48,6 @@ class Refusal:
 class Counters(Protocol):
     """Where per-key windows, in-flight slots and totals are kept: one process, or a store routers share."""
 
-    remote: bool  # whether a call waits on another process (a cancelled caller could stop it halfway)
-
     async def take(self, name: str, limits: KeyLimits, slot: str) -> Refusal | None:
         """Atomically check every limit and, if none refuses, hold `slot` and count the request's start."""
 
@@ -92,8 +90,6 @@ class _KeyState:
 
 class MemoryCounters:
     """The embedded default: windows and slots in this process; the quota from the usage file's totals."""
-
-    remote = False  # every call ends without suspending
 
     def __init__(self, usage: UsageStore, clock: Callable[[], float] = time.monotonic) -> None:
         self._usage = usage

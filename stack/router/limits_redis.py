@@ -187,8 +187,6 @@ def _keys(prefix: str, name: str) -> dict[str, str]:
 class RedisCounters:
     """`Counters` in a Redis shared by every router (see the module doc for the atomicity and leases)."""
 
-    remote = True
-
     def __init__(self, config: LimitsStoreConfig, password: str | None = None) -> None:
         self.config = config
         timeout = config.timeout_ms / 1000
