@@ -107,10 +107,22 @@ def _tool(rng: np.random.Generator, index: int, count: TokenCounter) -> dict[str
                        "required": ["path"]}}}
 
 
-def build_workload(shape: AgenticShape, rng: np.random.Generator, count: TokenCounter = byte_count) -> Workload:
-    """Seeded sessions of `shape`; one system prompt and tool list shared by all (one agent product)."""
-    system = text_of_length(rng, shape.system_len, count)
-    tools = tuple(_tool(rng, i, count) for i in range(shape.tools))
+def prefix_rng(seed: int) -> np.random.Generator:
+    """The generator of the product's system prompt and tools: a stream of its own (a session seed equal to it draws
+    other words), so that compare can keep one agent product's prefix over every point of its ladder while each
+    point draws new sessions. A deployed agent's system prompt is the same on every request of every session, so a
+    serving stack's prefix cache holds it: a benchmark that gave each load point a new one would time a cold
+    27k-token prefill per point, which no running deployment sees."""
+    return np.random.default_rng([seed, 0x5E55])
+
+
+def build_workload(shape: AgenticShape, rng: np.random.Generator, count: TokenCounter = byte_count,
+                   prefix: np.random.Generator | None = None) -> Workload:
+    """Seeded sessions of `shape` from `rng`; one system prompt and tool list shared by all (one agent product), from
+    `prefix` (default: `rng`)."""
+    prefix = rng if prefix is None else prefix
+    system = text_of_length(prefix, shape.system_len, count)
+    tools = tuple(_tool(prefix, i, count) for i in range(shape.tools))
     starts = np.sort(rng.uniform(0, shape.stagger_s, shape.sessions)) if shape.stagger_s else np.zeros(shape.sessions)
     sessions = []
     for i, start in enumerate(starts):

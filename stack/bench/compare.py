@@ -110,11 +110,14 @@ def point_args(args: argparse.Namespace, base_url: str, point: float, label: str
     """The `serve` arguments of one measured run: a request rate, or with the agentic workload a number of sessions.
     Each point of the ladder draws its own prompts (seed + 2 + the point's rank; the warm-up has seed + 1), the same
     for every arm and repeat: with one set for the whole ladder, every point after the first would find its prompts
-    in the engines' prefix cache (measured: 90 % of vLLM's prompt tokens cached) and prefill would cost nothing."""
+    in the engines' prefix cache (measured: 90 % of vLLM's prompt tokens cached) and prefill would cost nothing. The
+    agentic workload's system prompt and tools are the exception: one agent product's prefix, the same at every point
+    and in the warm-up, which heats it as a deployment's traffic keeps it hot (agentic.prefix_rng)."""
     one = copy.copy(args)
     one.base_url, one.label = base_url, label
     one.seed = args.seed + 2 + plan(args).points.index(point)
     if agentic(args):
+        one.agentic_prefix_seed = product_seed(args)
         one.request_rate, one.agentic_sessions = float("inf"), int(point)
         one.num_prompts = one.agentic_sessions * args.agentic_turns
     else:
@@ -122,11 +125,18 @@ def point_args(args: argparse.Namespace, base_url: str, point: float, label: str
     return one
 
 
+def product_seed(args: argparse.Namespace) -> int:
+    """The agentic system prompt's and tools' seed over the whole experiment."""
+    return args.seed if args.agentic_prefix_seed is None else args.agentic_prefix_seed
+
+
 def warmup_args(args: argparse.Namespace, base_url: str) -> argparse.Namespace:
-    """Warm-up on other prompts (seed + 1): loads code paths and the model, not the measured run's prefixes."""
+    """Warm-up on other prompts (seed + 1): loads code paths and the model, not the measured run's prefixes (but for
+    the agentic product's system prompt and tools, which it heats)."""
     one = copy.copy(args)
     one.base_url, one.seed, one.disable_tqdm, one.request_rate, one.label = base_url, args.seed + 1, True, float("inf"), None
-    if agentic(args):  # one short session, no pauses
+    if agentic(args):  # one short session, no pauses, on the product's prefix
+        one.agentic_prefix_seed = product_seed(args)
         one.agentic_sessions, one.agentic_turns, one.agentic_think_mean_s, one.agentic_stagger_s, one.num_prompts = 1, 2, 0.0, 0.0, 2
     else:
         one.num_prompts, one.max_concurrency = args.warmup, 1

@@ -72,6 +72,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--agentic-profile", choices=sorted(agentic.PROFILES), default=None,
                         help="a real agent's system prompt and tool list sizes (claude-code: 27k characters, 14 tools); "
                              "overrides --agentic-system-len and --agentic-tools")
+    parser.add_argument("--agentic-prefix-seed", type=int, default=None,
+                        help="seed of the system prompt and tools alone (default: drawn with the sessions from --seed); "
+                             "compare holds it at --seed over its whole ladder, as one agent product's prefix")
     parser.add_argument(
         "--ignore-eos", action="store_true",
         help="send vLLM's ignore_eos: generate the full output budget (always on for --dataset-name random)",
@@ -131,6 +134,11 @@ def agentic_shape(args: argparse.Namespace) -> agentic.AgenticShape:
     return agentic.AgenticShape(**{name: getattr(args, f"agentic_{name}") for name in agentic.AgenticShape.__dataclass_fields__})
 
 
+def agentic_workload(args: argparse.Namespace) -> agentic.Workload:
+    prefix = None if args.agentic_prefix_seed is None else agentic.prefix_rng(args.agentic_prefix_seed)
+    return agentic.build_workload(agentic_shape(args), np.random.default_rng(args.seed), token_counter(args), prefix)
+
+
 def token_counter(args: argparse.Namespace) -> dataset.TokenCounter:
     return dataset.hf_counter(args.tokenizer) if args.tokenizer else dataset.dummy_count
 
@@ -187,7 +195,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         model = args.model or await first_model(session, base_url, headers)
         if args.dataset_name == "agentic":
-            workload = agentic.build_workload(agentic_shape(args), np.random.default_rng(args.seed), token_counter(args))
+            workload = agentic_workload(args)
             print(f"Agentic sessions: {len(workload.sessions)} × {args.agentic_turns} turns (closed loop)")
             progress = Progress(workload.requests, stream=None if args.disable_tqdm else sys.stderr)
             outcomes, duration = await agentic.run_sessions(session, base_url + CHAT, workload, model, headers, progress)

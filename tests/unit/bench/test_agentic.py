@@ -106,3 +106,24 @@ def test_claude_code_profile_sends_its_system_prompt_and_tool_list_sizes() -> No
     assert len(workload.system) == 27000 and len(workload.tools) == 14
     body = workload.payload("m", workload.sessions[0], 0)
     assert body["messages"][0]["content"] == workload.system and len(body["tools"]) == 14
+
+
+def test_compare_keeps_the_agent_products_prefix_over_its_ladder_and_warm_up(tmp_path) -> None:
+    """Every point of an agentic ladder draws new sessions, but the system prompt and tools are one product's: the
+    same at every point and in the warm-up (which heats them), as a deployed agent's prefix is on every request.
+    A chat ladder still draws wholly new prompts per point."""
+    parser = argparse.ArgumentParser()
+    compare.add_cli_args(parser)
+    args = parser.parse_args(["--dataset-name", "agentic", "--agentic-system-len", "300", "--agentic-tools", "2",
+                              "--agentic-turn-len", "30", "--sweep", "1,2", "--api-key", "k", "--out", str(tmp_path)])
+    one, two = (serve.agentic_workload(compare.point_args(args, "http://x", p, "l")) for p in (1.0, 2.0))
+    warm = serve.agentic_workload(compare.warmup_args(args, "http://x"))
+    assert one.system == two.system == warm.system and one.tools == two.tools == warm.tools
+    assert one.sessions[0].turns[0].user != two.sessions[0].turns[0].user != warm.sessions[0].turns[0].user
+    assert len(one.sessions) == 1 and len(two.sessions) == 2
+    # --agentic-prefix-seed moves the product; plain serve without it draws prefix and sessions from --seed alone.
+    other = parser.parse_args([*["--dataset-name", "agentic", "--agentic-system-len", "300", "--sweep", "1"],
+                               "--agentic-prefix-seed", "9", "--api-key", "k", "--out", str(tmp_path)])
+    assert serve.agentic_workload(compare.point_args(other, "http://x", 1.0, "l")).system != one.system
+    alone = serve.agentic_workload(args)
+    assert alone == agentic.build_workload(serve.agentic_shape(args), np.random.default_rng(args.seed), serve.token_counter(args))
