@@ -142,14 +142,20 @@ async def run_sessions(
     progress: Progress | None = None,
     count: TokenCounter = byte_count,
     sleep: Callable[[float], Any] = asyncio.sleep,
+    max_sessions: int | None = None,
 ) -> tuple[list[RequestOutcome], float]:
-    """Run every session's turns in order, sessions concurrently; outcomes in (session, turn) order and the run's
-    duration. A failed turn ends its session (a real agent would stop or retry; either way its later turns would not
-    be the ones measured)."""
+    """Run every session's turns in order, sessions concurrently (at most `max_sessions` at once, the rest waiting
+    in start order); outcomes in (session, turn) order and the run's duration. A failed turn ends its session (a
+    real agent would stop or retry; either way its later turns would not be the ones measured)."""
     clock_zero = time.perf_counter()
+    room = asyncio.Semaphore(max_sessions or len(workload.sessions) or 1)
 
     async def one(agent: Session) -> list[RequestOutcome]:
         await sleep(max(0.0, clock_zero + agent.start_s - time.perf_counter()))
+        async with room:
+            return await turns(agent)
+
+    async def turns(agent: Session) -> list[RequestOutcome]:
         outcomes = []
         for turn in range(len(agent.turns)):
             outcome = await stream_request(session, url, workload.payload(model, agent, turn),

@@ -46,5 +46,6 @@ def load_chart(runs: Sequence[Mapping[str, Any]], path: Path, axis: str, title: 
             ax.set_yscale("log")  # tails past the knee grow by orders of magnitude
             ax.yaxis.set_major_formatter(ScalarFormatter())  # 300, not 3×10²
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        if ax.get_legend_handles_labels()[0]:  # a panel with no figure (no --goodput SLOs) has no lines to name
+            ax.legend(fontsize="small")
     return report.save_figure(fig, path, title)

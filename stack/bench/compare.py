@@ -130,14 +130,24 @@ def product_seed(args: argparse.Namespace) -> int:
     return args.seed if args.agentic_prefix_seed is None else args.agentic_prefix_seed
 
 
+# The agentic warm-up's sessions, each with its own session id, run one after another. Cache-aware routing places a
+# session by its id, so several are needed for every engine of an arm to compute the product's prefix once (six
+# leave one of two replicas cold with probability 1/32), as a deployment's traffic keeps every replica's copy hot.
+# Measured without it: the one warm-up session heated one of colocated-x2's replicas, and the first measured session
+# that hashed to the other waited 130 s for a cold one-core prefill of the 29k-token prefix. In turn, not at once:
+# concurrent cold copies of one prefix would each be computed.
+WARM_SESSIONS = 6
+
+
 def warmup_args(args: argparse.Namespace, base_url: str) -> argparse.Namespace:
     """Warm-up on other prompts (seed + 1): loads code paths and the model, not the measured run's prefixes (but for
     the agentic product's system prompt and tools, which it heats)."""
     one = copy.copy(args)
     one.base_url, one.seed, one.disable_tqdm, one.request_rate, one.label = base_url, args.seed + 1, True, float("inf"), None
-    if agentic(args):  # one short session, no pauses, on the product's prefix
+    if agentic(args):  # short sessions one after another, no pauses, on the product's prefix
         one.agentic_prefix_seed = product_seed(args)
-        one.agentic_sessions, one.agentic_turns, one.agentic_think_mean_s, one.agentic_stagger_s, one.num_prompts = 1, 2, 0.0, 0.0, 2
+        one.agentic_sessions, one.agentic_turns, one.agentic_think_mean_s, one.agentic_stagger_s = WARM_SESSIONS, 1, 0.0, 0.0
+        one.num_prompts, one.max_concurrency = WARM_SESSIONS, 1
     else:
         one.num_prompts, one.max_concurrency = args.warmup, 1
     return one
@@ -241,12 +251,18 @@ def model_label(checkpoint: str) -> str:
     return checkpoint if checkpoint.startswith("dummy:") else Path(checkpoint).name
 
 
-def write_report(args: argparse.Namespace, specs: list[Arm], runs: list[dict], command: str, orders: list[list[str]]) -> Path:
-    out = Path(args.out)
-    (out / "runs").mkdir(parents=True, exist_ok=True)
+def save_runs(args: argparse.Namespace, runs: list[dict]) -> None:
+    """Each run's JSON under --out/runs/, written as its arm finishes: an experiment of hours that is stopped keeps
+    what it measured."""
+    (Path(args.out) / "runs").mkdir(parents=True, exist_ok=True)
     for r in runs:
         name = f"{r['repeat'] + 1}-{r['stack']}-{r['sweep_point']:g}".replace(":", "-").replace("/", "-")
-        (out / "runs" / f"{name}.json").write_text(json.dumps(r))
+        (Path(args.out) / "runs" / f"{name}.json").write_text(json.dumps(r))
+
+
+def write_report(args: argparse.Namespace, specs: list[Arm], runs: list[dict], command: str, orders: list[list[str]]) -> Path:
+    out = Path(args.out)
+    save_runs(args, runs)
     unit_name = unit(args)
     flagged = sum(r["load_flagged"] for r in runs)
     model = model_label(args.checkpoint)
@@ -310,9 +326,11 @@ def main(args: argparse.Namespace) -> int:
         for repeat, order in enumerate(orders):
             for i, name in enumerate(order):
                 last = repeat == len(orders) - 1 and i == len(order) - 1
-                runs += run_arm(args, specs[name], repeat, guard, last)
-    except (stacks.StackError, repeats.HostBusy, subprocess.TimeoutExpired) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+                arm_runs = run_arm(args, specs[name], repeat, guard, last)
+                save_runs(args, arm_runs)
+                runs += arm_runs
+    except (stacks.StackError, repeats.HostBusy, subprocess.TimeoutExpired, KeyboardInterrupt) as exc:
+        print(f"error: {exc or 'interrupted'}", file=sys.stderr)
         if runs:
             print(f"[compare] wrote the {len(runs)} runs so far: {write_report(args, list(specs.values()), runs, command_of(args), orders)}")
         return 1

@@ -46,7 +46,8 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=100, help="requests to send")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="req/s (Poisson); inf = all at t=0")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of gaps: 1 = Poisson, <1 burstier")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    parser.add_argument("--max-concurrency", type=int, default=None,
+                        help="cap on requests in flight (agentic: on sessions running at once)")
     parser.add_argument("--seed", type=int, default=0, help="seed for prompts and arrival times")
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json to count tokens (default: the dummy models' BPE, as the default stack counts)")
     parser.add_argument("--random-input-len", type=int, default=1024)
@@ -198,7 +199,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             workload = agentic_workload(args)
             print(f"Agentic sessions: {len(workload.sessions)} × {args.agentic_turns} turns (closed loop)")
             progress = Progress(workload.requests, stream=None if args.disable_tqdm else sys.stderr)
-            outcomes, duration = await agentic.run_sessions(session, base_url + CHAT, workload, model, headers, progress)
+            outcomes, duration = await agentic.run_sessions(session, base_url + CHAT, workload, model, headers, progress,
+                                                            max_sessions=args.max_concurrency)
             return _result(args, model, outcomes, duration)
         jobs = [build_job(args, model, r) for r in requests]
         print(f"Traffic request rate: {args.request_rate}")

@@ -49,6 +49,18 @@ async def test_agentic_run_sends_each_sessions_turns_in_order_with_its_header(ss
     assert len(by_session) == 3 and all(counts == [2, 4, 6] for counts in by_session.values())
 
 
+async def test_max_concurrency_runs_agentic_sessions_one_after_another(sse_server, plan) -> None:
+    """--max-concurrency 1 with agentic sessions: each session runs whole before the next starts (compare's warm-up
+    relies on it, so one engine computes a cold prefix once, not once per concurrent session)."""
+    args = parse(["--base-url", str(sse_server.make_url("")), "--dataset-name", "agentic", "--agentic-sessions", "3",
+                  "--agentic-turns", "2", "--agentic-system-len", "300", "--agentic-turn-len", "30", "--agentic-output-len", "3",
+                  "--agentic-think-mean-s", "0", "--agentic-stagger-s", "0", "--max-concurrency", "1", "--disable-tqdm"])
+    result = await serve.benchmark(args)
+    assert (result["completed"], result["failed"]) == (6, 0)
+    order = [headers[agentic.SESSION_HEADER] for headers in plan.headers]
+    assert plan.max_in_flight == 1 and order == [order[0]] * 2 + [order[2]] * 2 + [order[4]] * 2 and len(set(order)) == 3
+
+
 def test_bad_agentic_knobs_are_reported() -> None:
     parser = argparse.ArgumentParser()
     serve.add_cli_args(parser)
@@ -117,8 +129,11 @@ def test_compare_keeps_the_agent_products_prefix_over_its_ladder_and_warm_up(tmp
     args = parser.parse_args(["--dataset-name", "agentic", "--agentic-system-len", "300", "--agentic-tools", "2",
                               "--agentic-turn-len", "30", "--sweep", "1,2", "--api-key", "k", "--out", str(tmp_path)])
     one, two = (serve.agentic_workload(compare.point_args(args, "http://x", p, "l")) for p in (1.0, 2.0))
-    warm = serve.agentic_workload(compare.warmup_args(args, "http://x"))
+    warming = compare.warmup_args(args, "http://x")
+    warm = serve.agentic_workload(warming)
     assert one.system == two.system == warm.system and one.tools == two.tools == warm.tools
+    # The warm-up: several one-turn sessions (each its own id, so cache-aware routing reaches every replica), in turn.
+    assert len({s.session_id for s in warm.sessions}) == compare.WARM_SESSIONS > 1 and warming.max_concurrency == 1
     assert one.sessions[0].turns[0].user != two.sessions[0].turns[0].user != warm.sessions[0].turns[0].user
     assert len(one.sessions) == 1 and len(two.sessions) == 2
     # --agentic-prefix-seed moves the product; plain serve without it draws prefix and sessions from --seed alone.

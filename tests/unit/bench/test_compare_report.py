@@ -102,6 +102,29 @@ def test_compare_over_running_stacks_sweeps_repeats_and_reports(tmp_path) -> Non
     assert every.count("| colocated |") == every.count("| disaggregated |") == 4
 
 
+def test_a_stopped_experiment_keeps_the_runs_it_measured(tmp_path, monkeypatch) -> None:
+    """Ctrl-C during the second arm: the first arm's runs are on disk and reported, and compare exits 1."""
+    real_run_arm = compare.run_arm
+
+    def run_arm(args, arm, *rest):
+        if arm.name == "disaggregated":
+            raise KeyboardInterrupt
+        return real_run_arm(args, arm, *rest)
+
+    monkeypatch.setattr(compare, "run_arm", run_arm)
+    with server_thread(StreamPlan(tokens=3, gap=0.001)) as url:
+        parser = argparse.ArgumentParser()
+        compare.add_cli_args(parser)
+        args = parser.parse_args([
+            "--url", f"colocated={url}", "--url", f"disaggregated={url}", "--num-prompts", "2", "--sweep", "20,40",
+            "--synthetic-input-mean", "20", "--warmup", "0", "--repeats", "1", "--on-high-load", "flag",
+            "--load-wait", "0", "--out", str(tmp_path), "--disable-tqdm",
+        ])
+        assert compare.main(args) == 1
+    assert sorted(p.name for p in (tmp_path / "runs").glob("*.json")) == ["1-colocated-20.json", "1-colocated-40.json"]
+    assert "| colocated |" in (tmp_path / "compare.md").read_text()
+
+
 def test_reports_name_a_checkpoint_directory_by_its_own_name() -> None:
     """Titles and headings say which model, not where it lay on the machine that ran the experiment."""
     assert compare.model_label("/data/checkpoints/small-llama") == "small-llama"
