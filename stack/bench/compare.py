@@ -24,9 +24,9 @@ tiny-llama checkpoint; each engine gets its own ladder because their knees are f
     python -m stack.bench compare --checkpoint tiny-llama --repeats 3 --order random --stacks $VLLM $CHAT \
         --sweep 1,2,4,8,12,16,24,32 --goodput ttft:2000 tpot:100 --out results/vllm-chat
     python -m stack.bench compare --checkpoint tiny-llama --repeats 3 --order random --stacks $NUMPY $AGENT \
-        --sweep 1,2,4,6,8,12,16 --goodput ttft:10000 tpot:200 --out results/numpy-agentic
+        --sweep 1,2,4,8 --goodput ttft:10000 tpot:200 --out results/numpy-agentic
     python -m stack.bench compare --checkpoint tiny-llama --repeats 3 --order random --stacks $VLLM $AGENT \
-        --sweep 2,4,8,12,16,24,32 --goodput ttft:10000 tpot:200 --out results/vllm-agentic
+        --sweep 1,2,4,8,16 --goodput ttft:10000 tpot:200 --out results/vllm-agentic
 
 `--url NAME=URL` benchmarks an already running stack instead of starting one.
 """

@@ -102,3 +102,20 @@ def test_chat_streamed_and_not_goes_prefill_nixl_decode(stack: Stack, client: op
     for service in ("prefill", "decode"):
         assert _metric(stack, service, "vllm:request_success_total") >= len(ids), service
     assert _metric(stack, "decode", "vllm:nixl_xfer_time_seconds_count") >= len(ids)
+
+
+def test_a_request_with_tools_is_served(stack: Stack, client: openai.OpenAI) -> None:
+    """Agents send their tool list on every request: the overlay starts vLLM with tool calling on (a stock `vllm
+    serve` answers such a request 400, '"auto" tool choice requires --enable-auto-tool-choice'), so it reaches
+    decode through the PD path like any other chat."""
+    rid = f"ovl-tools-{uuid.uuid4().hex[:8]}"
+    tool = {"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository",
+                                             "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                                                            "required": ["path"]}}}
+    answer = client.chat.completions.create(model="your-model-id", max_tokens=8, tools=[tool], tool_choice="auto",
+                                            messages=[{"role": "user", "content": "open the README"}],
+                                            extra_headers={"X-Request-ID": rid})
+    assert answer.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    done = stack.wait_for_event("router", "router.request_done", rid, timeout_s=10)
+    assert [d["status"] for d in done] == [200], (rid, done)
+    assert stack.wait_for_event("router", "router.kv_handoff", rid, timeout_s=10), rid
