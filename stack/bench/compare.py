@@ -144,12 +144,13 @@ def warmup_args(args: argparse.Namespace, base_url: str) -> argparse.Namespace:
     the agentic product's system prompt and tools, which it heats)."""
     one = copy.copy(args)
     one.base_url, one.seed, one.disable_tqdm, one.request_rate, one.label = base_url, args.seed + 1, True, float("inf"), None
+    one.max_concurrency = 1  # one request (agentic: one session) at a time
     if agentic(args):  # short sessions one after another, no pauses, on the product's prefix
         one.agentic_prefix_seed = product_seed(args)
         one.agentic_sessions, one.agentic_turns, one.agentic_think_mean_s, one.agentic_stagger_s = WARM_SESSIONS, 1, 0.0, 0.0
-        one.num_prompts, one.max_concurrency = WARM_SESSIONS, 1
+        one.num_prompts = WARM_SESSIONS
     else:
-        one.num_prompts, one.max_concurrency = args.warmup, 1
+        one.num_prompts = args.warmup
     return one
 
 
@@ -254,15 +255,16 @@ def model_label(checkpoint: str) -> str:
 def save_runs(args: argparse.Namespace, runs: list[dict]) -> None:
     """Each run's JSON under --out/runs/, written as its arm finishes: an experiment of hours that is stopped keeps
     what it measured."""
-    (Path(args.out) / "runs").mkdir(parents=True, exist_ok=True)
+    directory = Path(args.out) / "runs"
+    directory.mkdir(parents=True, exist_ok=True)
     for r in runs:
         name = f"{r['repeat'] + 1}-{r['stack']}-{r['sweep_point']:g}".replace(":", "-").replace("/", "-")
-        (Path(args.out) / "runs" / f"{name}.json").write_text(json.dumps(r))
+        (directory / f"{name}.json").write_text(json.dumps(r))
 
 
 def write_report(args: argparse.Namespace, specs: list[Arm], runs: list[dict], command: str, orders: list[list[str]]) -> Path:
+    """compare.md and the charts from `runs` (each already saved by save_runs as its arm finished)."""
     out = Path(args.out)
-    save_runs(args, runs)
     unit_name = unit(args)
     flagged = sum(r["load_flagged"] for r in runs)
     model = model_label(args.checkpoint)
