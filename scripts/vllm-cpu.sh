@@ -122,10 +122,15 @@ cmd_install() {
     patch_nixl "$venv"
     patch_vllm_kv_core "$venv"
     VLLM_TARGET_DEVICE=cpu "$venv/bin/python" - <<'PY' >&2
-import importlib.metadata, torch, vllm, vllm._C, nixl  # noqa: F401 - the imports are the check
+import importlib.metadata, torch, vllm, nixl  # noqa: F401 - the imports are the check
 from vllm.platforms import current_platform
 assert current_platform.device_type == "cpu", current_platform.device_type
-print(f"vllm {importlib.metadata.version('vllm')} torch {torch.__version__} on {current_platform.device_type}")
+# The wheel holds one kernel library per x86 ISA (_C: AVX-512 with BF16, _C_AVX512, _C_AVX2); vLLM loads the one this CPU
+# runs. Importing vllm._C by name would die of SIGILL on a CPU without AVX-512 (an AMD EPYC Zen 2, say).
+current_platform.import_kernels()
+assert hasattr(torch.ops._C, "silu_and_mul"), "vLLM's CPU kernels did not load"
+isa = "AVX-512" if torch.cpu._is_avx512_supported() else "AVX2"
+print(f"vllm {importlib.metadata.version('vllm')} torch {torch.__version__} on {current_platform.device_type} ({isa} kernels)")
 PY
     : > "$venv/.complete"
     echo "$venv"
