@@ -11,8 +11,7 @@ from typing import Callable, Iterable
 
 from doctor.checks import (auth_401, backends, bypass, choices_parse, client_view, config_mismatch, engine_config, healthy,
                            internal_key, kv_transfer, lifecycle, local_proxy, long_prompt, model_name, nixl_lease_wait,
-                           nixl_transport, oauth,
-                           p2pnccl, slowness, stalled, unexplained, upstream)
+                           nixl_transport, oauth, p2pnccl, slowness, stalled, tool_calling, unexplained, upstream)
 from doctor.findings import Context, Finding
 
 
@@ -28,6 +27,8 @@ REGISTRY: tuple[Check, ...] = (
     Check("model", "404 model_not_found (Claude Code's claude-* names)", model_name.check),
     Check("internal_key", "engines that refuse the router's PD_INTERNAL_KEY (401/403 → 502 internal_key_rejected)",
           internal_key.check),
+    Check("tool_calling", "vLLM engines started without tool calling: requests with tools refused (400)",
+          tool_calling.check),
     Check("engine_config", "prefill/decode start-up configurations that differ (model, tokenizer, max length, block "
           "size, dtype), read from the engines' own lines", engine_config.check),
     Check("lifecycle", "engine cores that died (vLLM EngineCore / EngineDeadError), restarts, when an engine was down",

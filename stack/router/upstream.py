@@ -36,6 +36,10 @@ _JSON_HEADERS = {"Content-Type": "application/json"}
 # A prefill leg's 503 when the decode cannot hold the prompt's KV (the engine's code): retried on another decode, and
 # the client's 503 when none can (never a 502: nothing is broken, the decodes are full).
 DECODE_KV_CAPACITY = "decode_kv_capacity"
+# vLLM's 400 for tools with tool_choice "auto" (what an agent sends) when it was started without tool calling: the
+# deployment cannot serve the field, the client's request is valid (vllm/entrypoints/openai/chat_completion/serving.py;
+# recorded in tests/unit/doctor/bundles/vllm_no_tool_parser).
+VLLM_NO_TOOL_PARSER = '"auto" tool choice requires --enable-auto-tool-choice'
 
 
 class LegFailed(Exception):
@@ -105,13 +109,19 @@ def status_failure(backend: Backend, status: int, error: EngineError) -> LegFail
     the failure keeps the engine's code either way (`blames_decode` reads it)."""
     message, name = error.message, _role_name(backend)
     client_errors: dict[int, type[APIError]] = {400: InvalidRequest, 404: NotFound, 413: PayloadTooLarge, 422: InvalidRequest}
+    api_error: APIError
     if status in (401, 403):
         # The engine refused the router's own key, not the client's: a deployment fault the client cannot fix (502).
         api_error = UpstreamError(f"{name} refused the router's internal key (HTTP {status}: {message}): the router's "
                                   "PD_INTERNAL_KEY does not match the engine's key (VLLM_API_KEY for vLLM)",
                                   code="internal_key_rejected")
+    elif status == 400 and message.startswith(VLLM_NO_TOOL_PARSER):
+        api_error = InvalidRequest(
+            f"Unsupported parameter: 'tool_choice' \"auto\" (the default with tools): the {name} runs without tool "
+            "calling. Send tool_choice \"none\" to use the model without tools; the deployment's fix is in "
+            "`python -m doctor diagnose`.", param="tool_choice", code="unsupported_parameter")
     elif status in client_errors:
-        api_error: APIError = client_errors[status](message, code=error.code or "upstream_rejected", param=error.param)
+        api_error = client_errors[status](message, code=error.code or "upstream_rejected", param=error.param)
     elif 400 <= status < 500 and status != 429:
         api_error = InvalidRequest(message, code=error.code or f"upstream_{status}", param=error.param)
     elif status == 503 and error.code == DECODE_KV_CAPACITY:

@@ -3,7 +3,8 @@ real router, requests sent with the openai SDK, and the logs kept as tests/unit/
 
     python -m tests.vllm.record_bundles [FAULT ...]      (repo root; the venv with the router's deps)
 
-Faults: key_mismatch, max_len, decode_restart, tokenizer, small_kv, engine_dead (all when none is named). One pair
+Faults: key_mismatch, max_len, decode_restart, tokenizer, small_kv, engine_dead, no_tool_parser (all when none is
+named). One pair
 runs at a time (2 cores), every wait is bounded, and everything started is stopped, also on failure. Each bundle holds
 prefill.log, decode.log (vLLM's own output), router.log (JSON lines) and client.txt (what the SDK raised, per request).
 """
@@ -34,6 +35,10 @@ BUNDLES = REPO / "tests/unit/doctor/bundles"
 HELLO = [{"role": "user", "content": "Explain the key value cache in one sentence"}]
 # ~1,100 tokens with the tiny checkpoint's byte-level BPE (digits are single tokens): over 512, under 2048.
 LONG = [{"role": "user", "content": " ".join(str(i) for i in range(300))}]
+# An agent's tool list (one tool is enough): every Claude Code or Codex request carries one.
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file of the workspace.",
+                                           "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                                                          "required": ["path"]}}}]
 REQUEST_BOUND_S = 240
 # key_mismatch's two keys: the router's PD_INTERNAL_KEY and the engines' VLLM_API_KEY (neither may reach a bundle)
 ROUTER_INTERNAL_KEY, ENGINE_KEY = "router-internal-key-1", "engine-key-2"
@@ -190,7 +195,18 @@ def engine_dead(pair: Callable[..., Pair]) -> Pair:
     return p
 
 
-FAULTS = ("key_mismatch", "max_len", "decode_restart", "tokenizer", "small_kv", "engine_dead")
+def no_tool_parser(pair: Callable[..., Pair]) -> Pair:
+    """Engines started as `vllm serve` starts by default, without --enable-auto-tool-choice and --tool-call-parser: a
+    request without tools is served, one that carries tools is refused when its tool_choice is "auto" (the default)."""
+    p = pair()
+    p.send("rec-tools-without")
+    for n in range(2):
+        p.send(f"rec-tools-{n}", stream=n == 1, extra={"tools": TOOLS})
+    p.send("rec-tools-choice-none", extra={"tools": TOOLS, "tool_choice": "none"})
+    return p
+
+
+FAULTS = ("key_mismatch", "max_len", "decode_restart", "tokenizer", "small_kv", "engine_dead", "no_tool_parser")
 
 
 def record(name: str, venv: Path, checkpoint: Path) -> Path:

@@ -29,7 +29,7 @@ def test_findings_exit_1_and_json_on_stdout(bundles):
     assert code == 1
     doc = json.loads(out)
     assert [f["id"] for f in doc["findings"]] == ["kv.port_mismatch"]
-    assert doc["input"]["requests"] == 2 and doc["input"]["lines"] == 47 and doc["input"]["undeclared"] == 0
+    assert doc["input"]["requests"] == 2 and doc["input"]["lines"] == 45 and doc["input"]["undeclared"] == 0
 
 
 def test_warning_exits_0_unless_strict(bundles):
@@ -85,7 +85,7 @@ def test_list_checks():
     """--list-checks names every diagnosis."""
     code, out = run("diagnose", "--list-checks")
     assert code == 0
-    assert [line.split()[0] for line in out.splitlines()] == ["client_view", "model", "internal_key", "engine_config", "lifecycle", "backends", "bypass", "config", "auth", "local_proxy", "oauth", "choices", "kv_transfer", "long_prompt", "upstream", "nixl_lease_wait", "nixl_transport", "p2pnccl", "slowness"]
+    assert [line.split()[0] for line in out.splitlines()] == ["client_view", "model", "internal_key", "tool_calling", "engine_config", "lifecycle", "backends", "bypass", "config", "auth", "local_proxy", "oauth", "choices", "kv_transfer", "long_prompt", "upstream", "nixl_lease_wait", "nixl_transport", "p2pnccl", "slowness"]
 
 
 def test_folder_of_per_service_files(bundles):

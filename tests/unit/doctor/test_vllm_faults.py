@@ -140,3 +140,22 @@ def test_a_dead_engine_core_is_named_with_vllms_own_lines():
     assert "EngineDeadError" in f.fix and "vllm serve" in f.fix
     assert_vllm_fix(f.fix)
     assert exit_code("vllm_engine_dead") == 1
+
+
+def test_engines_without_tool_calling_are_named_and_the_client_is_not_blamed():
+    """vLLM started without --enable-auto-tool-choice / --tool-call-parser: the two requests that carried tools (one
+    streamed) were refused, plain chat and tool_choice "none" were served. One finding names the engine flags and the
+    overlays' VLLM_TOOL_CALL_PARSER, with vLLM's own body and its 400 access line; what the client got names the field
+    (tool_choice) and the deployment, not a bad request of its own."""
+    findings, _ = diagnose(BUNDLES / "vllm_no_tool_parser")
+    f = by_id(findings, "vllm.tool_calling_off")
+    assert [x.id for x in findings] == ["vllm.tool_calling_off"] and f.severity == "error"
+    assert "2 request(s) carrying tools were refused" in f.title
+    assert client_ids("vllm_no_tool_parser", "rec-tools") == {"rec-tools-0", "rec-tools-1"} <= set(f.request_ids)
+    assert any('"POST /v1/chat/completions HTTP/1.1" 400' in e.line for e in f.evidence if e.service == "prefill")
+    assert any("tool choice requires --enable-auto-tool-choice" in e.line for e in f.evidence if e.service == "router")
+    assert "--enable-auto-tool-choice --tool-call-parser" in f.fix and "VLLM_TOOL_CALL_PARSER" in f.fix
+    assert_vllm_fix(f.fix)
+    client = (BUNDLES / "vllm_no_tool_parser" / "client.txt").read_text()
+    assert client.count("Unsupported parameter: 'tool_choice'") == 2 and "runs without tool calling" in client
+    assert exit_code("vllm_no_tool_parser") == 1

@@ -33,6 +33,11 @@ def vllm_capture(name: str) -> dict[str, Any]:
 
 VLLM_NIXL_PREFILL_PARAMS = vllm_capture("vllm_nixl_prefill")["answer"]["kv_transfer_params"]
 
+# vLLM 0.32.0's answer to tools with tool_choice "auto" when started without tool calling, as it sent it
+# (tests/unit/doctor/bundles/vllm_no_tool_parser/router.log).
+VLLM_NO_TOOL_PARSER_BODY = {"error": {"message": '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                                      "type": "BadRequestError", "param": None, "code": 400}}
+
 
 @dataclass
 class Faults:
@@ -50,6 +55,7 @@ class Faults:
     kv_push_failed: int = 0  # a prefill leg answers our engine's 502 kv_connect_failed (its push to decode failed)
     decode_kv_capacity: int = 0  # a prefill leg answers our engine's 503 decode_kv_capacity (the decode has no room)
     prefill_delay_s: float = 0.0  # a prefill leg computes this long before answering (a long prompt)
+    no_tool_parser: bool = False  # a vLLM without --enable-auto-tool-choice: tools with tool_choice "auto" get its 400
 
 
 @dataclass
@@ -138,6 +144,8 @@ class FakeEngine:
         if faults.http_500:
             faults.http_500 -= 1
             return web.json_response({"error": {"message": "CUDA out of memory (fake)", "type": "server_error"}}, status=500)
+        if faults.no_tool_parser and body.get("tools") and body.get("tool_choice", "auto") == "auto":
+            return web.json_response(VLLM_NO_TOOL_PARSER_BODY, status=400)
         params = body.get("kv_transfer_params") or {}
         if faults.kv_push_failed and params.get("do_remote_decode"):
             faults.kv_push_failed -= 1

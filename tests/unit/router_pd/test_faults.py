@@ -78,6 +78,25 @@ async def test_a_decode_refusing_what_prefill_accepted_is_a_502_not_the_clients_
     assert "max_model_len" in caught.value.message
 
 
+async def test_an_engine_without_tool_calling_is_named_not_the_clients_request(fake, pd, logs):
+    """vLLM started without tool calling refuses tools with tool_choice "auto" (every agent turn): the client's 400 names
+    the field and says the engine lacks tool calling (its request is valid), nothing is retried, and tool_choice "none"
+    is served by the same engines."""
+    prefill, other = await fake("prefill", faults=Faults(no_tool_parser=True)), await fake("prefill", faults=Faults(no_tool_parser=True))
+    decode = await fake("decode", faults=Faults(no_tool_parser=True))
+    client = await pd([prefill, other], [decode], policy="round_robin")
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {}}}}]
+    with pytest.raises(InvalidRequest) as caught:
+        await client.complete("rtools", "/v1/chat/completions", *typed(dict(CHAT, tools=tools)))
+    err = caught.value
+    assert (err.status, err.param, err.code) == (400, "tool_choice", "unsupported_parameter")
+    assert "prefill engine runs without tool calling" in err.message and 'tool_choice "none"' in err.message
+    assert (len(prefill.seen), len(other.seen), len(decode.seen)) == (1, 0, 0)
+    assert "--enable-auto-tool-choice" in logs.events(events.ROUTER_UPSTREAM_ERROR)[0]["body"]
+    answer = await client.complete("rnone", "/v1/chat/completions", *typed(dict(CHAT, tools=tools, tool_choice="none")))
+    assert answer["choices"][0]["message"]["content"]
+
+
 async def test_a_colocated_engines_400_stays_the_clients(fake, pd):
     """Without a prefill leg the one engine's 400 is about the request itself: passed on as it is."""
     both = await fake("both", faults=Faults(http_400=1))
