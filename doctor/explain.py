@@ -72,7 +72,7 @@ def hops(t: Timeline) -> list[Hop]:
     first = at(events.ROUTER_DECODE_FIRST_TOKEN)
     if first is not None:
         out.append(Hop("decode first token", "decode", handoff, max(first - handoff, 0.0),
-                       "router.kv_handoff → router.decode_first_token"))
+                       "router.prefill_done → router.decode_first_token"))
     done = at(events.ROUTER_REQUEST_DONE)
     if first is not None and done is not None:
         out.append(Hop("stream", "decode", first, max(done - first, 0.0), "router.decode_first_token → router.request_done"))

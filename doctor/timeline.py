@@ -68,7 +68,7 @@ class Timeline:
         # vLLM engines log no per-request lines: a NIXL hand-off (vLLM's params name remote_engine_id) that the router
         # saw answered went through KV and decode (vLLM's own proof is global: its "KV Transfer metrics" lines).
         vllm_handoff = answered and any("remote_engine_id" in (r[events.KV_TRANSFER_PARAMS] or ())
-                                        for r in self.events(events.ROUTER_KV_HANDOFF))
+                                        for r in self.events(events.ROUTER_PREFILL_DONE, events.ROUTER_KV_HANDOFF))
         if names & _KV_DONE or vllm_handoff:
             hops.append("kv")
         if "decode" in services or "engine" in services or events.ROUTER_DECODE_FIRST_TOKEN in names or vllm_handoff:

@@ -46,7 +46,7 @@ def _broken(ctx: Context, key: str) -> list[Timeline]:
         failed = not t.complete and (t.status or 0) != 499 and t.first(events.ROUTER_CLIENT_DISCONNECTED) is None
         if failed and (symptom is None or any(symptom.search(r.line) for r in t.records)):
             out.append(t)
-        elif key == "tokenizer" and t.complete and t.first(events.ROUTER_KV_HANDOFF) is not None:
+        elif key == "tokenizer" and t.complete and t.first(events.ROUTER_PREFILL_DONE) is not None:
             out.append(t)
     return out
 

@@ -9,7 +9,7 @@ JSON numbers, durations in ms, sizes in bytes; any field may be null (unknown).
 fields through the `Field` constants below (`record[KV_PORT]`), so a rename here reaches both, and a
 call that drifts from its declaration fails the tests (strict mode, see logging.py).
 
-A new event: a constant below with its one-line doc and its fields, reusing the vocabulary's `Field`
+An event no longer logged goes into RETIRED, not away: older logs still carry it. A new event: a constant below with its one-line doc and its fields, reusing the vocabulary's `Field`
 constants (a new field gets one, with its JSON type and a plausible example).
 tests/unit/common/test_log_declarations.py checks every call site in stack/ against these, and
 tests/unit/doctor/test_declared_events.py runs the doctor over every event logged for real.
@@ -357,10 +357,12 @@ ROUTER_QUEUED = Event("router.queued", ROUTER, "every backend slot is busy; the 
                       required=(ROLE, QUEUE_DEPTH))
 ROUTER_QUEUE_FULL = Event("router.queue_full", ROUTER, "rejected with 429/503: the queue is full or the wait too long",
                           required=(ROLE, QUEUE_DEPTH, RETRY_AFTER_S), level="WARNING")
-ROUTER_PREFILL_DONE = Event("router.prefill_done", ROUTER, "the prefill leg answered with its kv_transfer_params",
-                            required=(PREFILL_URL, PREFILL_MS, TRANSFER_ID))
+ROUTER_PREFILL_DONE = Event("router.prefill_done", ROUTER, "the prefill leg answered; decode starts with its kv_transfer_params "
+                            "(the names of the keys handed on)",
+                            required=(PREFILL_URL, PREFILL_MS, TRANSFER_ID), optional=(DECODE_URL, KV_TRANSFER_PARAMS))
 ROUTER_PREFILL_FAILED = Event("router.prefill_failed", ROUTER, "the prefill leg failed (retried or not)",
                               required=(PREFILL_URL, STATUS, ERROR, ATTEMPT, RETRIED), optional=(DECODE_URL, CODE), level="WARNING")
+# Retired (RETIRED below): router.prefill_done carries it now.
 ROUTER_KV_HANDOFF = Event("router.kv_handoff", ROUTER, "the decode leg starts with prefill's kv_transfer_params",
                           required=(DECODE_URL, TRANSFER_ID, KV_TRANSFER_PARAMS))
 ROUTER_DECODE_FIRST_TOKEN = Event("router.decode_first_token", ROUTER, "decode's first chunk reached the router",
@@ -432,6 +434,9 @@ SERVICE_PORT_IN_USE = Event("service.port_in_use", ANY, "the HTTP or health port
                             required=(PORT, SETTING), optional=(PORT_OWNER,), level="ERROR")
 
 ALL: Mapping[str, Event] = {value: value for value in dict(globals()).values() if isinstance(value, Event)}
+# Events no service logs any more, kept declared so that the doctor still reads the logs (and recorded bundles) of
+# the versions that did. Retire an event instead of deleting it.
+RETIRED: frozenset[Event] = frozenset({ROUTER_KV_HANDOFF})
 
 
 def constant_of(declared: Event | Field) -> str:

@@ -63,7 +63,7 @@ class Route:
     """One attempt's hand-off, fixed before its legs are sent."""
 
     request_id: str  # the X-Request-ID both legs carry
-    transfer_id: str  # names the KV in the router's logs (router.prefill_done, router.kv_handoff)
+    transfer_id: str  # names the KV in the router's logs (router.prefill_done)
     prefill_params: dict[str, Any] | None  # the prefill leg's kv_transfer_params (None: it carries none)
 
 

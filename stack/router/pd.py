@@ -225,10 +225,10 @@ class PDClient:
             log_event(events.ROUTER_PREFILL_FINISHED, f"prefill {prefill.url} finished the answer ({result.finish_reason})",
                       request_id=job.request_id, prefill=prefill.url, decode=pair.decode.url, finish_reason=result.finish_reason)
             return result
-        log_event(events.ROUTER_PREFILL_DONE, f"prefill done in {elapsed * 1000:.1f} ms", request_id=job.request_id,
-                  prefill=prefill.url, prefill_ms=round(elapsed * 1000, 2), transfer_id=route.transfer_id)
-        log_event(events.ROUTER_KV_HANDOFF, f"handing KV to decode {pair.decode.url}", request_id=job.request_id, decode=pair.decode.url,
-                  transfer_id=route.transfer_id, kv_transfer_params=sorted(result.kv_params or ()))
+        # One line for the leg and the hand-off it starts (the line a request costs is CPU: docs/router-performance.md).
+        log_event(events.ROUTER_PREFILL_DONE, f"prefill done in {elapsed * 1000:.1f} ms; handing KV to decode {pair.decode.url}",
+                  request_id=job.request_id, prefill=prefill.url, prefill_ms=round(elapsed * 1000, 2), transfer_id=route.transfer_id,
+                  decode=pair.decode.url, kv_transfer_params=sorted(result.kv_params or ()))
         return result
 
     async def _decode(self, job: Job, pair: Pair, handed_on: Handed | None) -> Leg:

@@ -106,7 +106,8 @@ def test_streamed_chat_goes_through_prefill_then_decode(pd_stack: Stack) -> None
     assert produced and consumed
     assert produced[0]["transfer_id"] == consumed[0]["transfer_id"]
     assert {e["event"] for e in pd_stack.events("decode", request_id)} >= {"kv_consumer.received", "kv_consumer.claimed"}
-    assert any(e["event"] == "router.kv_handoff" for e in pd_stack.events("router", request_id))
+    handed = [e for e in pd_stack.events("router", request_id) if e["event"] == "router.prefill_done"]
+    assert handed and handed[0]["transfer_id"] == produced[0]["transfer_id"] and handed[0]["decode"]
 
 
 def test_killing_decode_mid_stream_is_a_clean_error_and_recovers(pd_stack: Stack, tmp_path: Path) -> None:

@@ -140,7 +140,7 @@ async def test_non_streamed_chat_crosses_nixl(pd, oai) -> None:
     answer = await oai.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, temperature=0)
     assert answer.choices[0].finish_reason in ("length", "stop") and answer.usage.completion_tokens >= 1
     wait_for(lambda: nixl_reads(pd.decode) >= before + 1, what="decode's vllm:nixl_xfer_time_seconds_count")
-    handoffs = pd.events("router.kv_handoff")
+    handoffs = pd.events("router.prefill_done")
     assert handoffs and "remote_block_ids" in handoffs[-1]["kv_transfer_params"]
 
 

@@ -175,9 +175,8 @@ def request(log: Log, n: int, prompt: int = 40, completion: int = 16, stream: bo
     log.ev("prefill", events.ENGINE_REQUEST_FINISHED, "finished (length) after 1 tokens", rid, prompt_tokens=prompt,
            completion_tokens=1, finish_reason="length", e2e_ms=round(prompt * 0.8 + 2, 2))
     _access(log, "prefill", rid, 200, round(prompt * 0.8 + 3, 2))
-    log.ev("router", events.ROUTER_PREFILL_DONE, "prefill done", rid, prefill=PREFILL, prefill_ms=round(prompt * 0.8 + 4, 2),
-           transfer_id=tid)
-    log.ev("router", events.ROUTER_KV_HANDOFF, f"handing KV to decode {DECODE}", rid, decode=DECODE, transfer_id=tid,
+    log.ev("router", events.ROUTER_PREFILL_DONE, f"prefill done; handing KV to decode {DECODE}", rid, prefill=PREFILL,
+           prefill_ms=round(prompt * 0.8 + 4, 2), transfer_id=tid, decode=DECODE,
            kv_transfer_params=["decode_kv_addr", "do_remote_prefill", "num_tokens", "transfer_id"])
     log.ev("decode", events.ENGINE_REQUEST_RECEIVED, f"chat request: {prompt} prompt tokens, PD decode leg", rid,
            prompt_tokens=prompt, max_tokens=completion, stream=stream, role="decode", pd_leg="decode", transfer_id=tid)

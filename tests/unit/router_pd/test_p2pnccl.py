@@ -194,7 +194,7 @@ async def test_registered_instances_serve_and_leave(fake, pingers, aiohttp_clien
     assert d_leg["headers"]["X-Request-ID"] == rid
     assert re.search(VLLM_PRODUCER_RE, rid).groups() == ("127.0.0.1", "22001")  # type: ignore[union-attr]
     assert re.search(VLLM_CONSUMER_RE, rid).groups() == ("127.0.0.1", "21001")  # type: ignore[union-attr]
-    assert logs.events(events.ROUTER_KV_HANDOFF)[-1]["transfer_id"] == rid
+    assert logs.events(events.ROUTER_PREFILL_DONE)[-1]["transfer_id"] == rid
 
     await d_pinger.stop()
     await wait_for_instances(router, 1)
