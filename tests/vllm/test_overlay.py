@@ -19,7 +19,9 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from stack.engine.tokenizer import dummy_tokenizer
 from tests.integration.compose_stack import REPO, Stack, ensure_image, start_stack, unique_project
+from tests.unit.engine_core.agent_prompt import long_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm_overlay]  # opt-in: pyproject.toml says why
 
@@ -27,6 +29,9 @@ FILES = ("compose.yaml", "compose.vllm-cpu.yaml")
 TRANSFERS = re.compile(r"KV Transfer metrics: Num successful transfers=(\d+)")
 # One request through vLLM on a loaded 2-core host: TTFT seconds, not ms (../shared/reference/vllm_cpu.md).
 REQUEST_TIMEOUT_S = 120
+TOOL = {"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository",
+                                         "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                                                        "required": ["path"]}}}
 
 
 @pytest.fixture(scope="module")
@@ -109,13 +114,27 @@ def test_a_request_with_tools_is_served(stack: Stack, client: openai.OpenAI) -> 
     serve` answers such a request 400, '"auto" tool choice requires --enable-auto-tool-choice'), so it reaches
     decode through the PD path like any other chat."""
     rid = f"ovl-tools-{uuid.uuid4().hex[:8]}"
-    tool = {"type": "function", "function": {"name": "read_file", "description": "Read a file of the repository",
-                                             "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
-                                                            "required": ["path"]}}}
-    answer = client.chat.completions.create(model="your-model-id", max_tokens=8, tools=[tool], tool_choice="auto",
+    answer = client.chat.completions.create(model="your-model-id", max_tokens=8, tools=[TOOL], tool_choice="auto",
                                             messages=[{"role": "user", "content": "open the README"}],
                                             extra_headers={"X-Request-ID": rid})
     assert answer.choices[0].finish_reason in ("length", "stop", "tool_calls")
     done = stack.wait_for_event("router", "router.request_done", rid, timeout_s=10)
     assert [d["status"] for d in done] == [200], (rid, done)
     assert stack.wait_for_event("router", "router.prefill_done", rid, timeout_s=10), rid
+
+
+def test_an_agent_sized_request_is_served(stack: Stack, client: openai.OpenAI) -> None:
+    """A Claude-Code-sized request (~30k tokens of system prompt, tool list and history, with tools) goes through the
+    overlay's PD path: both engines take a 65,536-token context. With the 2,048 the overlay used to set, vLLM refused
+    every agent request for its length."""
+    rid = f"ovl-agent-{uuid.uuid4().hex[:8]}"
+    history = long_prompt(30_000, dummy_tokenizer())
+    answer = client.chat.completions.create(model="your-model-id", max_tokens=8, tools=[TOOL],
+                                            messages=[{"role": "system", "content": history},
+                                                      {"role": "user", "content": "open the README"}],
+                                            extra_headers={"X-Request-ID": rid})
+    assert answer.usage is not None and answer.usage.prompt_tokens > 25_000, answer.usage
+    done = stack.wait_for_event("router", "router.request_done", rid, timeout_s=10)
+    assert [d["status"] for d in done] == [200], (rid, done)
+    handed = stack.wait_for_event("router", "router.prefill_done", rid, timeout_s=10)
+    assert handed and "remote_engine_id" in handed[0]["kv_transfer_params"], (rid, handed)
