@@ -27,9 +27,10 @@ def check(ctx: Context) -> list[Finding]:
     if not router:
         return []
     ids = list(dict.fromkeys(r.request_id for r in router))
+    refused = set(ids)
     roles = sorted({r[events.ROLE] or "?" for r in router})
     engines = [r for r in ctx.records if r.service in roles and r.event == VLLM + "access" and r.data.get("status") == 400]
-    answered = [r for r in ctx.by_event(events.ROUTER_REQUEST_DONE) if r.request_id in set(ids)]
+    answered = [r for r in ctx.by_event(events.ROUTER_REQUEST_DONE) if r.request_id in refused]
     asked = {r.data.get("client_request_id") for r in router} - {None}
     client = [r for r in ctx.client if r.request_id in asked]
     restart = "docker compose up -d --force-recreate prefill decode" if engine_facts.compose(ctx) else "restart both engines"

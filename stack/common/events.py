@@ -9,8 +9,9 @@ JSON numbers, durations in ms, sizes in bytes; any field may be null (unknown).
 fields through the `Field` constants below (`record[KV_PORT]`), so a rename here reaches both, and a
 call that drifts from its declaration fails the tests (strict mode, see logging.py).
 
-An event no longer logged goes into RETIRED, not away: older logs still carry it. A new event: a constant below with its one-line doc and its fields, reusing the vocabulary's `Field`
-constants (a new field gets one, with its JSON type and a plausible example).
+A new event: a constant below with its one-line doc and its fields, reusing the vocabulary's `Field`
+constants (a new field gets one, with its JSON type and a plausible example). An event no longer logged goes
+into RETIRED, not away: older logs still carry it.
 tests/unit/common/test_log_declarations.py checks every call site in stack/ against these, and
 tests/unit/doctor/test_declared_events.py runs the doctor over every event logged for real.
 """

@@ -29,6 +29,7 @@ from stack.common.errors import (
     UpstreamTimeout,
 )
 from stack.common.logging import client_request_id, log_event
+from stack.protocol.capabilities import unsupported
 from stack.router.backends import Backend
 from stack.router.engine_http import ConnectFailed, Disconnected, EngineHTTP, Response, Timeout
 
@@ -116,10 +117,9 @@ def status_failure(backend: Backend, status: int, error: EngineError) -> LegFail
                                   "PD_INTERNAL_KEY does not match the engine's key (VLLM_API_KEY for vLLM)",
                                   code="internal_key_rejected")
     elif status == 400 and message.startswith(VLLM_NO_TOOL_PARSER):
-        api_error = InvalidRequest(
-            f"Unsupported parameter: 'tool_choice' \"auto\" (the default with tools): the {name} runs without tool "
-            "calling. Send tool_choice \"none\" to use the model without tools; the deployment's fix is in "
-            "`python -m doctor diagnose`.", param="tool_choice", code="unsupported_parameter")
+        api_error = unsupported("tool_choice", f"\"auto\" (the default with tools): the {name} runs without tool calling; "
+                                "send tool_choice \"none\" to use the model without tools (the deployment's fix is in "
+                                "`python -m doctor diagnose`)")
     elif status in client_errors:
         api_error = client_errors[status](message, code=error.code or "upstream_rejected", param=error.param)
     elif 400 <= status < 500 and status != 429:

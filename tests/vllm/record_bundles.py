@@ -4,8 +4,7 @@ real router, requests sent with the openai SDK, and the logs kept as tests/unit/
     python -m tests.vllm.record_bundles [FAULT ...]      (repo root; the venv with the router's deps)
 
 Faults: key_mismatch, max_len, decode_restart, tokenizer, small_kv, engine_dead, no_tool_parser (all when none is
-named). One pair
-runs at a time (2 cores), every wait is bounded, and everything started is stopped, also on failure. Each bundle holds
+named). One pair runs at a time (2 cores), every wait is bounded, and everything started is stopped, also on failure. Each bundle holds
 prefill.log, decode.log (vLLM's own output), router.log (JSON lines) and client.txt (what the SDK raised, per request).
 """
 
