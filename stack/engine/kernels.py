@@ -87,7 +87,7 @@ def paged_decode(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, tables: 
                 for g in range(G):
                     for d in range(hd):
                         qg[h, t * G + g, d] = q[first + t, h * G + g, d]
-        scores = np.empty((KV, rows, keys), np.float32)  # (KV, rows, keys)
+        scores = np.empty((KV, rows, keys), np.float32)  # (KV, rows, keys): 2 MiB for a decode token at 64k keys
         for i in range((keys + bs - 1) // bs):  # each key read once for every row of its group, block by block
             block = tables[b, i]
             for slot in range(min(bs, keys - i * bs)):
