@@ -107,6 +107,9 @@ def prefill_into(model: Model, cache: KVCache, tokens: np.ndarray) -> None:
 def prefill(bench: Bench) -> None:
     """Prefill tok/s per prompt length against FLOPs / GEMM rate; peak RSS of the longest."""
     model, peak = bench.model, bench.baselines["gemm_gflops"] * 1e9
+    # Untimed: the first forward compiles the decode kernel (seconds on a host without numba's cache) and starts the
+    # attention threads, which the engine does before health says SERVING. With --repeat 1 it would be timed.
+    prefill_into(model, KVCache(model.config, 1024), np.zeros(1024, np.int64))
     for T in fitting(model, POINTS["prefill"]):
         tokens = np.random.default_rng(1).integers(0, model.config.vocab_size, T)  # (T,)
         pool = pool_for(model, T)
