@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import tempfile
 import threading
@@ -35,6 +34,7 @@ from typing import Any
 import docker
 from docker.models.containers import Container
 from testcontainers.compose import DockerCompose
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DISAGGREGATED = ("compose.yaml",)
@@ -57,12 +57,6 @@ def ensure_image() -> None:
     """Install the compose plugin if missing and build the app image (cached layers: seconds)."""
     for script in ("compose-plugin.sh", "image.sh"):
         subprocess.run([str(REPO / "scripts" / script)], check=True, cwd=REPO)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def unique_project(prefix: str) -> str:

@@ -11,7 +11,6 @@ import asyncio
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -30,15 +29,10 @@ from stack.engine.config import EngineConfig
 from stack.engine.model import Model, load_model
 from stack.engine.scheduler import Scheduler
 from stack.engine.server import ENGINE, Engine, create_app
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 30  # an engine subprocess is up in ~1-2 s; 30 s only catches a hang on a busy box
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def engine_config(role: str = "both", **fields: Any) -> EngineConfig:

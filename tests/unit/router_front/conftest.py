@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from stack.common.health_probe import SERVING, probe
 from stack.common.logging import setup_logging
 from stack.router import config as router_config
 from stack.router.app import create_app
+from tests.ports import free_port
 
 KEY = "pd-test-unified-key-1a2b3c"
 KEY_ENV = "TAOTOKEN_API_KEY"
@@ -100,12 +100,6 @@ class FakeEngine:
             await send({**base, "object": kind, "choices": [], "usage": usage})
         await sse.send_done(response)
         return response
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServiceProcess:

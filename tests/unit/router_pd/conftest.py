@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from stack.router.fleet import Fleet
 from stack.router.pd import PDClient
 from stack.router.scheduler import SchedulerConfig
 from tests.unit.router_pd.fake_engine import FakeEngine
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -248,12 +248,6 @@ health_addrs = ["{decode.health_addr}"]
 db_path = "{tmp_path / (name + '.sqlite3')}"
 """)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
