@@ -1,8 +1,8 @@
 """Free loopback ports for the servers a test starts: never the same port twice in one test process.
 
 The kernel's answer to bind(0) is free only until somebody binds it. A test that starts several engines at once
-asks for three ports each before any of them binds, and the kernel may hand a just-released port out again: two
-engines of one batch were given the same port, and one died with `HTTP port … is already in use`."""
+asks for three ports each before any of them binds, and the kernel may hand a just-released port out again: an
+engine of such a batch died with `HTTP port … is already in use by python3`, most likely its neighbour's port."""
 
 from __future__ import annotations
 

@@ -27,8 +27,8 @@ from stack.protocol.types import Request
 from stack.router.fleet import Fleet
 from stack.router.pd import PDClient
 from stack.router.scheduler import SchedulerConfig
-from tests.unit.router_pd.fake_engine import FakeEngine
 from tests.ports import free_port
+from tests.unit.router_pd.fake_engine import FakeEngine
 
 REPO = Path(__file__).resolve().parents[3]
 
