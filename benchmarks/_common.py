@@ -90,12 +90,14 @@ def main(module: str, name: str, description: str, sections: Sequence[Section], 
     if args.clock == "cpu" and os.environ.get("OPENBLAS_NUM_THREADS") != "1":
         parser.error("--clock cpu counts every thread's CPU time: run with OPENBLAS_NUM_THREADS=1")
     env = {k: os.environ.get(k, "-") for k in ("OPENBLAS_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_CORETYPE",
-                                          "OPENBLAS_L2_SIZE")}
+                                          "OPENBLAS_L2_SIZE", "KMP_BLOCKTIME")}
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"{name} benchmark: model {args.model}, numpy {np.__version__}, cpus {os.cpu_count()}, "
           f"load average {load}, env {env}")
+    model = load_model(args.model)
+    print(f"weight matmuls: {type(model.matmul).__name__} (stack/engine/gemm.py)")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    bench = Bench(load_model(args.model), args.prompt, args.repeat, clock=clock)
+    bench = Bench(model, args.prompt, args.repeat, clock=clock)
     for section in sections:
         print(f"[{section.__name__}]")
         section(bench)

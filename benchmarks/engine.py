@@ -3,6 +3,7 @@
     python -m benchmarks.engine [--model dummy:small] [--repeat 3] [--quick]
     python -m benchmarks.engine --prefill 1024,4096 --contexts 800 --batches 1,8   # any subset
     python -m benchmarks.engine --prefill 1024 --attention numba,numpy   # decode through both attention arms
+    python -m benchmarks.engine --prefill 1024 --gemm mkl,numpy   # decode with both weight-matmul arms
 
 Sections run in order and share a `Bench` record (_common.py): baselines first (numpy GEMM rate, memory copy
 bandwidth, loopback socket bandwidth, the BLAS threadpoolctl sees), then
@@ -10,7 +11,8 @@ bandwidth, loopback socket bandwidth, the BLAS threadpoolctl sees), then
   does with chunked_prefill, against FLOPs (weights + causal attention) / the GEMM rate;
 - decode tok/s at --batches (1, 8, 32) x --contexts (800, 8k), every sequence in its own pool blocks, against
   (weights + the batch's KV) bytes per step / the copy bandwidth; once per --attention arm (numba: the engine's
-  compiled kernel, its default; numpy: attention.py), the arms of a point run back to back;
+  compiled kernel, its default; numpy: attention.py) and --gemm arm (mkl: MKL's packed GEMM, the engine's default;
+  numpy: OpenBLAS), the arms of a point run back to back;
 - peak resident memory of the longest prefill and of the largest batch x context (sampled while it runs);
 - attention on one thread vs spread over the cores (paired runs), for the largest decode batch and a prefill;
 - one layer's decode attention of the largest batch, numpy vs the engine's compiled kernel (attention_kernels.py);
@@ -25,8 +27,9 @@ import argparse
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 from stack.engine import blas_env
 
@@ -37,7 +40,7 @@ import numpy as np  # noqa: E402
 from benchmarks import _common, attention_kernels  # noqa: E402
 from benchmarks._common import Bench, Section, best_time, socket_bandwidth  # noqa: E402
 from benchmarks.kv_transfer import kv_transfer  # noqa: E402
-from stack.engine import batched_decode  # noqa: E402
+from stack.engine import batched_decode, gemm  # noqa: E402
 from stack.engine.kv_cache import KVCache, KVPool  # noqa: E402
 from stack.engine.model import Model, Segment, forward  # noqa: E402
 
@@ -46,6 +49,7 @@ QUICK = {"prefill": [1024, 4096], "contexts": [800], "batches": [1, 8, 32]}
 POINTS: dict[str, list[int]] = dict(FULL)  # set from the command line before the sections run
 CHUNK = [2048]  # prefill chunk (the scheduler's default max_num_batched_tokens)
 ATTENTION = ["numba"]  # decode attention arms (forward's `attention`), set from the command line
+GEMM = ["mkl"]  # decode weight-matmul arms (the engine config's `gemm`), set from the command line
 DECODE_STEPS = 4  # timed decode steps per run
 
 
@@ -141,13 +145,13 @@ def decode(bench: Bench) -> None:
         source = KVCache(model.config, context)
         prefill_into(model, source, np.random.default_rng(2).integers(0, model.config.vocab_size, context))
         k, v = source.k[:, :context], source.v[:, :context]  # (n_layers, context, KV, hd) each
-        for batch, arm in ((batch, arm) for batch in batches for arm in ATTENTION):
-            largest = context == max(contexts) and batch == max(batches) and arm == ATTENTION[0]
+        for batch, arm, matmuls in ((b, a, g) for b in batches for a in ATTENTION for g in GEMM):
+            largest = context == max(contexts) and batch == max(batches) and (arm, matmuls) == (ATTENTION[0], GEMM[0])
             with rss_peak() as rss:
-                seconds = decode_step_seconds(bench, batch, context, k, v, arm)
+                seconds = decode_step_seconds(bench, batch, context, k, v, arm, matmuls)
             step_bytes = weight_bytes + batch * context * model.config.kv_bytes_per_token
             bound = batch * bw / step_bytes  # tok/s if the step only streamed its bytes
-            bench.report(f"decode batch {batch:>2}, context {context:>5}, {arm} ({seconds * 1e3:6.1f} ms/step)",
+            bench.report(f"decode batch {batch:>2}, context {context:>5}, {arm}, {matmuls} ({seconds * 1e3:6.1f} ms/step)",
                          f"{batch / seconds:8.0f} tok/s",
                          f"bound {bound:6.0f} tok/s: {batch / seconds / bound:.2f} x (goal >= 0.5 at batch 32)")
             if largest:
@@ -170,9 +174,12 @@ def decode_caches(bench: Bench, batch: int, context: int, k: np.ndarray, v: np.n
     return caches
 
 
-def decode_step_seconds(bench: Bench, batch: int, context: int, k: np.ndarray, v: np.ndarray, attention: str) -> float:
-    """Best wall time of one decode step over `decode_caches`, attending with `attention` (numba | numpy)."""
-    model, caches = bench.model, decode_caches(bench, batch, context, k, v)
+def decode_step_seconds(bench: Bench, batch: int, context: int, k: np.ndarray, v: np.ndarray, attention: str,
+                        matmuls: str = "mkl") -> float:
+    """Best wall time of one decode step over `decode_caches`, attending with `attention` (numba | numpy), the
+    weights multiplied as the engine's `gemm` = `matmuls` says (mkl | numpy)."""
+    model = bench.model if matmuls == "mkl" else replace(bench.model, matmul=np.matmul)
+    caches = decode_caches(bench, batch, context, k, v)
     tokens = np.zeros(1, np.int64)  # (1,)
 
     def step() -> None:
@@ -273,12 +280,14 @@ SECTIONS: list[Section] = [gemm_peak, copy_bandwidth, blas, socket_bandwidth, pr
                            kv_transfer, stability]
 
 
-def arms(text: str) -> list[str]:
-    """--attention's comma-separated arms, each numba or numpy."""
-    chosen = text.split(",")
-    if not chosen or any(arm not in batched_decode.ATTENTION for arm in chosen):
-        raise argparse.ArgumentTypeError(f"arms are {', '.join(batched_decode.ATTENTION)}, got {text!r}")
-    return chosen
+def arms(choices: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """A parser of comma-separated arms, each one of `choices`."""
+    def parse(text: str) -> list[str]:
+        chosen = text.split(",")
+        if not chosen or any(arm not in choices for arm in chosen):
+            raise argparse.ArgumentTypeError(f"arms are {', '.join(choices)}, got {text!r}")
+        return chosen
+    return parse
 
 
 def points(argv: list[str]) -> list[str]:
@@ -290,15 +299,18 @@ def points(argv: list[str]) -> list[str]:
     parser.add_argument("--contexts", type=ints, help="decode contexts, comma-separated")
     parser.add_argument("--batches", type=ints, help="decode batch sizes, comma-separated")
     parser.add_argument("--chunk", type=int, default=CHUNK[0], help="prefill chunk in tokens")
-    parser.add_argument("--attention", type=arms, default=ATTENTION,
+    parser.add_argument("--attention", type=arms(batched_decode.ATTENTION), default=ATTENTION,
                         help="decode attention arms, comma-separated: numba (the engine's kernel, default), numpy")
+    parser.add_argument("--gemm", type=arms(gemm.GEMM), default=GEMM,
+                        help="decode weight-matmul arms, comma-separated: mkl (the engine's default), numpy")
     args, rest = parser.parse_known_args(argv)
     POINTS.update(QUICK if args.quick else FULL)
     POINTS.update({key: getattr(args, key) for key in ("prefill", "contexts", "batches") if getattr(args, key)})
     CHUNK[0] = args.chunk
     ATTENTION[:] = args.attention
+    GEMM[:] = args.gemm
     print(f"points: prefill {POINTS['prefill']}, decode contexts {POINTS['contexts']} x batches {POINTS['batches']}, "
-          f"chunk {CHUNK[0]}, attention {ATTENTION}")
+          f"chunk {CHUNK[0]}, attention {ATTENTION}, gemm {GEMM}")
     return rest
 
 

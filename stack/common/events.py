@@ -271,6 +271,10 @@ KERNEL_CACHED = Field("kernel_cached", bool, True, "the kernel came from numba's
 ENGINE_ATTENTION = Event("engine.attention", ENGINE, "at warm-up: which decode attention this engine runs; reason numba_missing "
                          "(a warning: the kernel is wanted, numba does not import) or configured (attention: numpy)",
                          required=(ATTENTION,), optional=(KERNEL_MS, KERNEL_CACHED, REASON))
+GEMM = Field("gemm", str, "mkl", "mkl | numpy: what an engine's weight matmuls run on (stack/engine/gemm.py)")
+ENGINE_GEMM = Event("engine.gemm", ENGINE, "at warm-up: what the weight matmuls run on (mkl | numpy); at model load, a "
+                    "warning with reason mkl_missing when gemm: mkl is wanted and oneMKL does not load",
+                    required=(GEMM,), optional=(REASON,))
 
 # -- engine: KV transfer, prefill side (kv_producer) -------------------------------------------
 KV_PRODUCER_SENDING = Event("kv_producer.sending", PREFILL, "a KV push to decode starts",

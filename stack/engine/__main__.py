@@ -56,7 +56,7 @@ def load(args: argparse.Namespace) -> tuple[EngineConfig, Model, dict]:
     overrides = {"checkpoint": args.checkpoint, "seed": args.seed, "kv_transfer_config.kv_port": args.kv_port}
     config, raw = load_config(args.config, overrides)
     try:
-        model = load_model(config.checkpoint, config.seed)
+        model = load_model(config.checkpoint, config.seed, config.gemm)
     except CheckpointError as exc:
         raise ConfigError(args.config, "checkpoint", str(exc)) from None
     if config.max_model_len is not None and config.max_model_len > model.config.max_seq_len:

@@ -6,7 +6,8 @@ accepted; the ones that mean nothing on a CPU engine are listed by `ignored_fiel
 at start (`config.ignored`). Unknown keys and wrong types raise `ConfigError` (file: key: problem).
 
 `PD_PREFIX_CACHING=0|1` in the environment overrides `prefix_caching` (benchmark arms flip it per run), and
-`PD_ATTENTION=numba|numpy` overrides `attention` (back to the numpy reference without editing the config).
+`PD_ATTENTION=numba|numpy` overrides `attention` and `PD_GEMM=mkl|numpy` overrides `gemm` (back to the numpy
+reference without editing the config).
 `KV_TRANSFER_PORT` in the environment is the one override of where a KV consumer (decode) listens;
 decode reports the port it got on `/health` (`kv_port`), which is where the router learns it. A
 producer (prefill) never needs a port: it pushes to the `decode_kv_addr` each request names.
@@ -26,6 +27,7 @@ Role = Literal["prefill", "decode", "both"]
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 KVDtype = Literal["float32", "float16"]
 Attention = Literal["numba", "numpy"]
+Gemm = Literal["mkl", "numpy"]
 
 # Our own connector: TCP push from prefill to the decode's kv_port (see kv_transfer.py).
 OWN_CONNECTOR = "PdTcpConnector"
@@ -34,10 +36,12 @@ DEFAULT_KV_ROLE: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consu
 KV_PORT_ENV = "KV_TRANSFER_PORT"  # overrides a KV consumer's kv_transfer_config.kv_port (compose passes it from .env)
 PREFIX_CACHING_ENV = "PD_PREFIX_CACHING"  # 0 | 1: overrides prefix_caching (the benchmark's arms with and without it)
 ATTENTION_ENV = "PD_ATTENTION"  # numba | numpy: overrides attention
+GEMM_ENV = "PD_GEMM"  # mkl | numpy: overrides gemm
 # Environment variables that override one config key each: variable -> (key, {accepted text: value}).
 _ENV_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
     PREFIX_CACHING_ENV: ("prefix_caching", {"0": False, "1": True}),
     ATTENTION_ENV: ("attention", {name: name for name in get_args(Attention)}),
+    GEMM_ENV: ("gemm", {name: name for name in get_args(Gemm)}),
 }
 KV_HOST_ENV = "KV_ADVERTISE_HOST"  # overrides a KV consumer's kv_transfer_config.kv_advertise_host
 
@@ -96,6 +100,9 @@ class EngineConfig:
     # decode attention: numba = the compiled paged kernel (kernels.py; numpy when numba does not import), numpy =
     # attention.py, the reference (env PD_ATTENTION=numba|numpy)
     attention: Attention = "numba"
+    # weight matmuls: mkl = oneMKL's packed GEMM for 2-256 rows (gemm.py; numpy when MKL does not load), numpy =
+    # OpenBLAS through numpy, the reference (env PD_GEMM=mkl|numpy)
+    gemm: Gemm = "mkl"
 
     def __post_init__(self) -> None:
         check(bool(self.model.strip()), "model", "must not be empty")
@@ -155,7 +162,7 @@ def ignored_fields(config: EngineConfig, raw: dict[str, Any]) -> list[tuple[str,
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None,
                 env: Mapping[str, str] | None = None) -> tuple[EngineConfig, dict[str, Any]]:
     """Read and validate `path`, apply CLI `overrides` (dotted keys), then `KV_TRANSFER_PORT` from
-    `env` (default os.environ) on a KV consumer unless `--kv-port` set the port, PD_PREFIX_CACHING and PD_ATTENTION;
+    `env` (default os.environ) on a KV consumer unless `--kv-port` set the port, PD_PREFIX_CACHING, PD_ATTENTION and PD_GEMM;
     return (config, raw file dict).
 
     Overrides go through the same validation, so a bad `--kv-port` fails like a bad file value and a

@@ -1,7 +1,8 @@
 """A Llama-family decoder in numpy: RMSNorm, RoPE, grouped-query attention, SwiGLU MLP.
 
 One `forward` serves both phases over a flattened ragged batch (like vLLM): the new tokens of every
-segment go through the matmuls together as one (N, dim) matrix (BLAS spreads them over the cores);
+segment go through the matmuls together as one (N, dim) matrix (BLAS spreads them over the cores; a decode
+batch's rows go through oneMKL's packed weights, gemm.py);
 attention reads each segment's keys where they lie in the paged pool (attention.py). Its work is cut
 into tasks (a decode segment, or a block of QUERY_BLOCK queries of a prefill) that a large step
 spreads over the process's cores (`attention_groups`): a decode batch's attention reads every
@@ -25,7 +26,7 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from stack.engine import attention as attn_kernels
-from stack.engine import batched_decode
+from stack.engine import batched_decode, gemm
 from stack.engine.checkpoint import DUMMY_CONFIGS, dummy_weights, load_checkpoint
 from stack.engine.errors import CheckpointError, TokenRangeError
 from stack.engine.kv_cache import KVCache
@@ -44,6 +45,7 @@ class Model:
     weights: Weights
     tokenizer: Tokenizer
     fingerprint: str  # hash of config + weights; a KV cache only moves between equal fingerprints
+    matmul: gemm.Matmul = np.matmul  # (rows, k) @ a weight matrix: numpy, or MKL's packed GEMM (gemm.py)
 
 
 @dataclass
@@ -55,8 +57,9 @@ class Segment:
     start_pos: int
 
 
-def load_model(source: str, seed: int = 0) -> Model:
-    """Load "dummy:tiny" | "dummy:small" (seeded random weights, the dummy BPE tokenizer) or an HF checkpoint directory."""
+def load_model(source: str, seed: int = 0, matmuls: str = "mkl") -> Model:
+    """Load "dummy:tiny" | "dummy:small" (seeded random weights, the dummy BPE tokenizer) or an HF checkpoint directory;
+    `matmuls` is the engine config's `gemm` (gemm.py)."""
     if source.startswith("dummy:"):
         size = source.removeprefix("dummy:")
         if size not in DUMMY_CONFIGS:
@@ -66,7 +69,8 @@ def load_model(source: str, seed: int = 0) -> Model:
     else:
         config, weights, tokenizer = load_checkpoint(source)
         name = source.rstrip("/").rsplit("/", 1)[-1]
-    return Model(name, config, weights, tokenizer, fingerprint(config, weights))
+    matmul = gemm.weight_matmul(weights, matmuls, attention_threads())
+    return Model(name, config, weights, tokenizer, fingerprint(config, weights), matmul)
 
 
 def forward(model: Model, segments: list[Segment], all_logits: bool = False,
@@ -80,7 +84,7 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
     Returns (len(segments), vocab) logits of each segment's last token, or with `all_logits` a list
     of (T, vocab) arrays, one per segment. Raises `TokenRangeError` for ids outside the vocabulary.
     """
-    cfg, w = model.config, model.weights
+    cfg, w, mm = model.config, model.weights, model.matmul
     H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     assert segments, "forward needs at least one segment"
     tokens = np.concatenate([np.asarray(s.tokens, dtype=np.int64).reshape(-1) for s in segments])  # (N,)
@@ -111,7 +115,7 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
     x = w.tok_embeddings[tokens]  # (N, dim)
     for layer_index, layer in enumerate(w.layers):
         h = rms_norm(x, layer.attn_norm, cfg.norm_eps)  # (N, dim)
-        qkv = h @ layer.wqkv  # (N, (H + 2*KV) * hd)
+        qkv = mm(h, layer.wqkv)  # (N, (H + 2*KV) * hd)
         qk = rope(qkv[:, : (H + KV) * hd].reshape(N, H + KV, hd), rotation)  # (N, H + KV, hd)
         q, k = qk[:, :H], qk[:, H:]  # (N, H, hd), (N, KV, hd)
         v = qkv[:, (H + KV) * hd :].reshape(N, KV, hd)  # (N, KV, hd)
@@ -135,17 +139,17 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
                 list(attention_pool().map(attend, groups))
         if on_layer is not None:
             on_layer(layer_index)
-        x += attn.reshape(N, H * hd) @ layer.wo  # (N, dim)
+        x += mm(attn.reshape(N, H * hd), layer.wo)  # (N, dim)
         h = rms_norm(x, layer.mlp_norm, cfg.norm_eps)  # (N, dim)
-        x += swiglu(h @ layer.w_gate_up) @ layer.w_down  # (N, dim)
+        x += mm(swiglu(mm(h, layer.w_gate_up)), layer.w_down)  # (N, dim)
     for s, T in zip(segments, lengths):
         s.cache.length = s.start_pos + T
 
     if all_logits:
-        logits = rms_norm(x, w.norm, cfg.norm_eps) @ w.lm_head  # (N, vocab)
+        logits = mm(rms_norm(x, w.norm, cfg.norm_eps), w.lm_head)  # (N, vocab)
         return [logits[lo:hi] for lo, hi in zip(offsets[:-1], offsets[1:])]
     last = x[offsets[1:] - 1]  # (len(segments), dim)
-    return rms_norm(last, w.norm, cfg.norm_eps) @ w.lm_head  # (len(segments), vocab)
+    return mm(rms_norm(last, w.norm, cfg.norm_eps), w.lm_head)  # (len(segments), vocab)
 
 
 # A decode batch's attention reads every sequence's whole KV cache (at batch 32 and 800 tokens, 4x the weights)

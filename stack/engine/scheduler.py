@@ -38,7 +38,7 @@ from loguru import logger
 
 from stack.common import events
 from stack.common.logging import log_event
-from stack.engine import stopping
+from stack.engine import gemm, stopping
 from stack.engine.grammar import Constraint
 from stack.engine.kv_cache import KVCache, KVPool
 from stack.engine.metrics import EngineMetrics
@@ -105,6 +105,8 @@ class Scheduler:
         attention kernel (or loads it from numba's cache), so no request pays for it."""
         if self.attention == "numpy":
             log_event(events.ENGINE_ATTENTION, "decode attention: numpy (attention: numpy)", attention="numpy", reason="configured")
+        matmuls = gemm.describe(self.model.matmul)
+        log_event(events.ENGINE_GEMM, f"weight matmuls: {matmuls} (stack/engine/gemm.py)", gemm=matmuls)
         cache = KVCache(self.model.config, 8)
         loop = asyncio.get_running_loop()
         step = partial(forward, self.model, attention=self.attention)

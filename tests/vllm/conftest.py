@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -34,6 +36,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.fspath)).is_relative_to(Path(__file__).parent):
             item.add_marker(pytest.mark.vllm)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_tmpdir() -> Iterator[Path]:
+    """One TMPDIR for every vLLM server of the session, removed at its end. vLLM puts its ZMQ IPC sockets,
+    `vllm_dist_*` and torch inductor's cache in the temp dir, and a server stopped by a signal leaves them;
+    shared, so the servers reuse one inductor cache. Short (/tmp/pd-vllm-…): an IPC socket's path must fit
+    108 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="pd-vllm-"))
+    VllmServer.tmpdir = path
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -63,6 +77,8 @@ class VllmServer:
     """One `vllm serve` of the checkpoint on a free loopback port (its own process group, so stop() ends the API
     server, its engine core and their workers together); returns once GET /health is 200."""
 
+    tmpdir: Path | None = None  # the session's TMPDIR for vLLM (vllm_tmpdir)
+
     def __init__(self, venv: Path, checkpoint: Path, log_path: Path, *args: str, env: dict[str, str] | None = None,
                  port: int | None = None) -> None:
         """`port`: a restart on the old one (tests/vllm/record_bundles.py), whose log goes on in the same file."""
@@ -71,7 +87,8 @@ class VllmServer:
         self.log_path = log_path
         self._log = log_path.open("a")
         base = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-                "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1"}
+                "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "PYTHONUNBUFFERED": "1",
+                **({"TMPDIR": str(self.tmpdir)} if self.tmpdir else {})}
         self.process = subprocess.Popen(
             [str(venv / "bin/vllm"), "serve", str(checkpoint), "--host", "127.0.0.1", "--port", str(self.port),
              "--served-model-name", SERVED, "--max-model-len", "2048", "--max-num-seqs", "16", "--enforce-eager", *args],

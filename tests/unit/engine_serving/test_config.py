@@ -124,19 +124,25 @@ def test_prefix_caching_env_overrides_the_file(tmp_path: Path) -> None:
         load_config(path, env={})
 
 
-def test_attention_defaults_to_the_kernel_and_pd_attention_switches_it(tmp_path: Path) -> None:
-    """attention is numba unless the file or PD_ATTENTION says numpy (the env wins); other values name their source."""
+@pytest.mark.parametrize(("key", "variable", "default", "other", "choices", "bad"), [
+    ("attention", "PD_ATTENTION", "numba", "numpy", "numba or numpy", "flash"),  # the compiled kernel | attention.py
+    ("gemm", "PD_GEMM", "mkl", "numpy", "mkl or numpy", "cublas"),  # oneMKL's packed GEMM | OpenBLAS
+])
+def test_engine_arms_default_and_their_variable_switches_them(tmp_path: Path, key: str, variable: str, default: str,
+                                                              other: str, choices: str, bad: str) -> None:
+    """attention / gemm take their default unless the file or their variable says otherwise (the env wins); other
+    values name their source."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"role": "decode"}))
-    assert load_config(path, env={})[0].attention == "numba"
-    assert load_config(path, env={"PD_ATTENTION": "numpy"})[0].attention == "numpy"
-    path.write_text(json.dumps({"role": "decode", "attention": "numpy"}))
-    assert load_config(path, env={})[0].attention == "numpy"
-    assert load_config(path, env={"PD_ATTENTION": "numba"})[0].attention == "numba"
-    with pytest.raises(ConfigError, match="PD_ATTENTION: must be numba or numpy, got 'cuda'"):
-        load_config(path, env={"PD_ATTENTION": "cuda"})
-    path.write_text(json.dumps({"attention": "flash"}))
-    with pytest.raises(ConfigError, match="attention"):
+    assert getattr(load_config(path, env={})[0], key) == default
+    assert getattr(load_config(path, env={variable: other})[0], key) == other
+    path.write_text(json.dumps({"role": "decode", key: other}))
+    assert getattr(load_config(path, env={})[0], key) == other
+    assert getattr(load_config(path, env={variable: default})[0], key) == default
+    with pytest.raises(ConfigError, match=f"{variable}: must be {choices}, got '{bad}'"):
+        load_config(path, env={variable: bad})
+    path.write_text(json.dumps({key: bad}))
+    with pytest.raises(ConfigError, match=key):
         load_config(path, env={})
 
 
@@ -189,6 +195,21 @@ def test_the_warm_up_readies_the_attention_before_serving(tmp_path: Path, arm: s
             assert line["kernel_ms"] > 0 and isinstance(line["kernel_cached"], bool)
         else:
             assert line["reason"] == "configured"
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("matmuls", ["mkl", "numpy"])
+def test_the_engine_says_what_its_weight_matmuls_run_on(tmp_path: Path, matmuls: str) -> None:
+    """One engine.gemm line before service.ready: mkl by default (MKL is a runtime dependency, so it must load: no
+    mkl_missing warning), numpy with PD_GEMM=numpy."""
+    engine = EngineProcess(tmp_path, "both", {"model": "tiny", "role": "both", "checkpoint": "dummy:tiny"},
+                           env={"PD_GEMM": matmuls})
+    try:
+        engine.wait_ready()
+        events = [line["event"] for line in engine.lines]
+        assert events.count("engine.gemm") == 1 and events.index("engine.gemm") < events.index("service.ready")
+        assert engine.events("engine.gemm")[0]["gemm"] == matmuls
     finally:
         engine.stop()
 

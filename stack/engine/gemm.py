@@ -1,0 +1,129 @@
+"""The weight matmuls: oneMKL's packed GEMM for a decode batch's few rows, numpy (OpenBLAS) for the rest.
+
+Every step multiplies its N rows of activations by each weight matrix (model.py). With 2 to a few hundred rows
+(a decode batch) OpenBLAS's GEMM copies ("packs") every panel of the weight into its kernel's layout on every
+call, and that copy costs more than the multiply: on a 2-core AVX-512 Xeon dummy:small's matmuls at 32 rows read
+the weights at 7 GB/s, and 2 rows took 3.5x as long as 1 (one row goes through GEMV, which does not pack).
+oneMKL packs a matrix once (`cblas_sgemm_pack`) and multiplies by the packed copy any number of times
+(`cblas_sgemm_compute`), which is what the CPU backends of vLLM and PyTorch do with oneDNN's prepacked weights.
+Figures: docs/engine.md, "Weight matmuls".
+
+- **Which rows**: `MIN_ROWS`..`MAX_ROWS` go to MKL. One row stays on numpy (GEMV reads the weights once and ran
+  level with MKL), and so do prefill chunks, where the packing is a small share of the work and the two ran level.
+- **Where MKL comes from**: the `mkl` wheel (PyPI), whose `intel-openmp` dependency brings the OpenMP runtime
+  of MKL's threads; both put their libraries in the environment's `lib/`. MKL uses as many threads as the
+  attention split (`model.attention_threads()`), and its idle threads sleep as soon as a call ends instead of
+  spinning 200 ms, OpenMP's default, on the cores the attention kernel needs next (`KMP_BLOCKTIME`).
+- **Numerics**: the same float32 products summed in another order: within 1e-6 relative of numpy, and the engine's
+  tests hold a model on MKL to the numpy model and the float64 reference (tests/unit/engine_core/test_gemm.py).
+- **Without MKL** (`gemm: numpy` in the engine's config.json, `PD_GEMM=numpy`, or no loadable library) every
+  matmul is numpy's; the latter logs one `engine.gemm` warning with `reason: mkl_missing`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import get_args
+
+import numpy as np
+
+from stack.common import events
+from stack.common.logging import log_event
+from stack.engine.config import Gemm
+from stack.engine.weights import Weights
+
+GEMM = get_args(Gemm)  # mkl (default: MKL's packed GEMM where it wins) | numpy (engine config `gemm`)
+MIN_ROWS = 2  # one row: OpenBLAS's GEMV, level with MKL
+MAX_ROWS = 256  # past this OpenBLAS's packing is a small share: level at 2,048 rows, MKL 0.87x at 128 on the Xeon
+PACK_ROWS = 32  # the row count MKL is told at packing time; the packed copy serves any count (checked in tests)
+
+Matmul = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (rows, k) @ (k, n) -> (rows, n)
+
+_ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162  # mkl_cblas.h
+_THREADING_INTEL = 0  # mkl_service.h: MKL_THREADING_INTEL, threads from intel-openmp's libiomp5
+_C = ctypes.c_int
+_P = ctypes.c_void_p
+
+
+def load_mkl(threads: int) -> ctypes.CDLL | None:
+    """oneMKL's single dynamic library from this environment's lib/ (where the `mkl` wheel puts it) or the
+    loader's path, set to `threads` OpenMP threads; None when there is none."""
+    # Read by intel-openmp when MKL first starts its threads, so set before any call; an operator's value wins.
+    # Sleeping at once (0) ran batch-32 decode 1.2-1.3x faster than OpenBLAS on a quiet 2-core Xeon; 1 ms ran level
+    # with it and the default 200 ms slower (docs/engine.md, "Weight matmuls").
+    os.environ.setdefault("KMP_BLOCKTIME", "0")
+    for name in (str(Path(sys.prefix) / "lib" / "libmkl_rt.so.3"), "libmkl_rt.so.3", "libmkl_rt.so.2"):
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        return None
+    lib.MKL_Set_Threading_Layer(_THREADING_INTEL)
+    lib.MKL_Set_Num_Threads(threads)
+    lib.cblas_sgemm_pack_get_size.restype = ctypes.c_size_t
+    lib.cblas_sgemm_pack_get_size.argtypes = [_C, _C, _C, _C]
+    lib.cblas_sgemm_pack.argtypes = [_C, _C, _C, _C, _C, _C, ctypes.c_float, _P, _C, _P]
+    lib.cblas_sgemm_compute.argtypes = [_C, _C, _C, _C, _C, _C, _P, _C, _P, _C, ctypes.c_float, _P, _C]
+    return lib
+
+
+class PackedMatmul:
+    """`x @ w` for each weight matrix of one model, through MKL's packed copy of `w` for MIN_ROWS..MAX_ROWS rows.
+
+    The packed copies (as large as the weights) live as long as this object; MKL forbids moving them, and numpy
+    never moves an array's buffer.
+    """
+
+    def __init__(self, lib: ctypes.CDLL, weights: Weights) -> None:
+        self._lib = lib
+        self._packed: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # id(w) -> (w, packed buffer, its address)
+        for matrix in [m for layer in weights.layers for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]:
+            self._pack(matrix)
+        self._pack(weights.lm_head)
+
+    def _pack(self, w: np.ndarray) -> None:
+        k, n = w.shape  # (k, n) float32: C-contiguous, or the transposed embedding of a tied lm_head
+        transposed = not w.flags.c_contiguous and w.T.flags.c_contiguous
+        source = w.T if transposed else np.ascontiguousarray(w)  # row-major (n, k) or (k, n)
+        size = self._lib.cblas_sgemm_pack_get_size(_B_MATRIX, PACK_ROWS, n, k)
+        buffer = np.empty(size + 64, np.uint8)
+        address = buffer.ctypes.data + (-buffer.ctypes.data) % 64  # 64-byte aligned, as MKL's own allocator gives
+        self._lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS if transposed else _NO_TRANS, PACK_ROWS, n, k, 1.0,
+                                   source.ctypes.data, source.shape[1], address)
+        self._packed[id(w)] = (w, buffer, address)
+
+    def __call__(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        rows = x.shape[0]
+        packed = self._packed.get(id(w))
+        if packed is None or not MIN_ROWS <= rows <= MAX_ROWS or x.dtype != np.float32 or not x.flags.c_contiguous:
+            return x @ w
+        k, n = w.shape
+        out = np.empty((rows, n), np.float32)  # (rows, n)
+        self._lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, rows, n, k, x.ctypes.data, k, packed[2], n, 0.0,
+                                      out.ctypes.data, n)
+        return out
+
+
+def weight_matmul(weights: Weights, gemm: str, threads: int) -> Matmul:
+    """The matmul `forward` runs the weights through: MKL's packed GEMM when `gemm` is "mkl" and MKL loads
+    (else numpy's, with one `engine.gemm` warning), numpy's when it is "numpy"."""
+    assert gemm in GEMM, f"gemm is one of {GEMM}, got {gemm!r}"
+    if gemm == "numpy":
+        return np.matmul
+    lib = load_mkl(threads)
+    if lib is None:
+        log_event(events.ENGINE_GEMM, "oneMKL (libmkl_rt) cannot be loaded: the weight matmuls run on numpy",
+                  "WARNING", gemm="numpy", reason="mkl_missing")
+        return np.matmul
+    return PackedMatmul(lib, weights)
+
+
+def describe(matmul: Matmul) -> str:
+    """What `matmul` runs on, as the engine.gemm line says it: mkl | numpy."""
+    return "mkl" if isinstance(matmul, PackedMatmul) else "numpy"

@@ -1,0 +1,104 @@
+"""The weight matmuls on oneMKL's packed GEMM (gemm.py) give numpy's numbers: each matrix at every row count, and a
+batched decode through a model on MKL matches the numpy model and the float64 reference (greedy tokens equal,
+logprobs within 1e-4). The packed copy is really what 2..MAX_ROWS rows multiply by, one row and big chunks stay on
+numpy, and without MKL the engine runs numpy and says so once."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from stack.common.logging import setup_logging
+from stack.engine import gemm
+from stack.engine.kv_cache import KVCache
+from stack.engine.model import Model, Segment, attention_threads, forward
+
+from .reference import TINY, naive_logits
+from .test_paged import PROMPT, assert_matches_reference, scattered_pool
+
+
+@pytest.fixture(scope="module")
+def mkl_model(tiny_model: Model) -> Model:
+    """The reference's tiny model with its weights packed for MKL (MKL is a runtime dependency: it must load)."""
+    matmul = gemm.weight_matmul(tiny_model.weights, "mkl", attention_threads())
+    assert isinstance(matmul, gemm.PackedMatmul), "oneMKL did not load: `pip install mkl` (pyproject.toml)"
+    return replace(tiny_model, matmul=matmul)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, gemm.PACK_ROWS, 33, gemm.MAX_ROWS, gemm.MAX_ROWS + 1, 2048])
+def test_every_weight_matrix_at_every_row_count_equals_numpy(mkl_model: Model, rows: int) -> None:
+    """Packed once (for PACK_ROWS rows), each matrix serves any row count: within float32 rounding of numpy's."""
+    rng = np.random.default_rng(rows)
+    w = mkl_model.weights
+    for matrix in [*(m for layer in w.layers for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)), w.lm_head]:
+        x = rng.standard_normal((rows, matrix.shape[0]), dtype=np.float32)  # (rows, k)
+        got = mkl_model.matmul(x, matrix)
+        assert got.shape == (rows, matrix.shape[1]) and got.dtype == np.float32
+        np.testing.assert_allclose(got, x @ matrix, rtol=1e-5, atol=1e-5 * float(np.abs(x @ matrix).max()))
+
+
+def test_the_packed_copy_is_what_a_batch_multiplies_by(tiny_model: Model) -> None:
+    """Put the packed copy of -W where W's belongs: 2..MAX_ROWS rows now give x @ -W, while one row and a bigger
+    chunk still give numpy's x @ W, so the packed path takes exactly the rows it is meant for. (MKL's packed layout
+    has a header of its own: it cannot be edited in place.)"""
+    matmul = gemm.weight_matmul(tiny_model.weights, "mkl", attention_threads())
+    assert isinstance(matmul, gemm.PackedMatmul)
+    matrix = tiny_model.weights.layers[0].wo
+    negated = -matrix
+    matmul._pack(negated)
+    matmul._packed[id(matrix)] = matmul._packed.pop(id(negated))
+    rng = np.random.default_rng(0)
+    for rows in (2, 8, gemm.MAX_ROWS):
+        x = rng.standard_normal((rows, matrix.shape[0]), dtype=np.float32)
+        np.testing.assert_allclose(matmul(x, matrix), -(x @ matrix), rtol=1e-5, atol=1e-4)
+    for rows in (1, gemm.MAX_ROWS + 1):
+        x = rng.standard_normal((rows, matrix.shape[0]), dtype=np.float32)
+        np.testing.assert_array_equal(matmul(x, matrix), x @ matrix)
+
+
+def test_a_batched_decode_on_mkl_matches_numpy_and_the_reference(mkl_model: Model, tiny_model: Model,
+                                                                 tiny_tensors: dict) -> None:
+    """Eight sequences of different lengths over scattered blocks, prefilled then decoded greedily for four steps on
+    the MKL model: every step's logits match the numpy model's (from the same caches) and the naive reference's."""
+    pool = scattered_pool(blocks=128)
+    prompts = [list(PROMPT[: 5 + 3 * i]) for i in range(8)]
+    caches = [pool.allocate(len(p) + 5) for p in prompts]
+    assert all(c is not None for c in caches)
+    tokens = []
+    for prompt, cache in zip(prompts, caches):
+        logits = forward(mkl_model, [Segment(np.array(prompt), cache, 0)])[0]
+        tokens.append([*prompt, int(logits.argmax())])
+    for _ in range(4):  # each step feeds every sequence's newest token
+        step = [Segment(np.array(t[-1:]), c, c.length) for t, c in zip(tokens, caches)]
+        lengths = [c.length for c in caches]
+        on_mkl = forward(mkl_model, step)  # (8, vocab)
+        for c, n in zip(caches, lengths):
+            c.length = n
+        assert_matches_reference(on_mkl, forward(tiny_model, step))
+        for i, t in enumerate(tokens):
+            assert_matches_reference(on_mkl[i], naive_logits(TINY, tiny_tensors, t)[-1])
+            t.append(int(on_mkl[i].argmax()))
+
+
+def test_gemm_numpy_is_numpys_matmul(tiny_model: Model) -> None:
+    assert gemm.weight_matmul(tiny_model.weights, "numpy", 2) is np.matmul
+
+
+def test_without_mkl_the_engine_runs_numpy_and_says_so(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No loadable libmkl_rt: numpy's matmul, after one engine.gemm warning with reason mkl_missing."""
+    monkeypatch.setattr(gemm, "load_mkl", lambda threads: None)
+    sink = io.StringIO()
+    setup_logging("engine-test", sink=sink)
+    try:
+        matmul = gemm.weight_matmul(tiny_model.weights, "mkl", 2)
+    finally:
+        setup_logging("engine-test")
+    assert matmul is np.matmul
+    lines = [json.loads(line) for line in sink.getvalue().splitlines() if '"engine.gemm"' in line]
+    assert [(x["level"], x["gemm"], x["reason"]) for x in lines] == [("WARNING", "numpy", "mkl_missing")]
+    cache = KVCache(TINY, 8)
+    assert forward(replace(tiny_model, matmul=matmul), [Segment(np.arange(5), cache, 0)]).shape == (1, TINY.vocab_size)
