@@ -179,36 +179,25 @@ def test_shipped_configs_start_and_report_ignored_fields(tmp_path: Path) -> None
         engine.stop()
 
 
-@pytest.mark.parametrize("arm", ["numba", "numpy"])
-def test_the_warm_up_readies_the_attention_before_serving(tmp_path: Path, arm: str) -> None:
+@pytest.mark.parametrize(("arm", "matmuls"), [("numba", "mkl"), ("numpy", "numpy")])
+def test_the_warm_up_readies_the_attention_and_says_what_the_matmuls_run_on(tmp_path: Path, arm: str,
+                                                                             matmuls: str) -> None:
     """One engine.attention line, before service.ready: the kernel compiled (or loaded from numba's cache) by the
-    warm-up, not by the first request; or numpy, as PD_ATTENTION=numpy configures."""
+    warm-up, not by the first request; or numpy, as PD_ATTENTION=numpy configures. And one engine.gemm line: mkl by
+    default (MKL is a runtime dependency, so it must load: no mkl_missing warning), numpy with PD_GEMM=numpy."""
     engine = EngineProcess(tmp_path, "both", {"model": "tiny", "role": "both", "checkpoint": "dummy:tiny"},
-                           env={"PD_ATTENTION": arm})
+                           env={"PD_ATTENTION": arm, "PD_GEMM": matmuls})
     try:
         engine.wait_ready()
         events = [line["event"] for line in engine.lines]
-        assert events.count("engine.attention") == 1 and events.index("engine.attention") < events.index("service.ready")
+        for event in ("engine.attention", "engine.gemm"):
+            assert events.count(event) == 1 and events.index(event) < events.index("service.ready")
         line = engine.events("engine.attention")[0]
         assert line["attention"] == arm
         if arm == "numba":
             assert line["kernel_ms"] > 0 and isinstance(line["kernel_cached"], bool)
         else:
             assert line["reason"] == "configured"
-    finally:
-        engine.stop()
-
-
-@pytest.mark.parametrize("matmuls", ["mkl", "numpy"])
-def test_the_engine_says_what_its_weight_matmuls_run_on(tmp_path: Path, matmuls: str) -> None:
-    """One engine.gemm line before service.ready: mkl by default (MKL is a runtime dependency, so it must load: no
-    mkl_missing warning), numpy with PD_GEMM=numpy."""
-    engine = EngineProcess(tmp_path, "both", {"model": "tiny", "role": "both", "checkpoint": "dummy:tiny"},
-                           env={"PD_GEMM": matmuls})
-    try:
-        engine.wait_ready()
-        events = [line["event"] for line in engine.lines]
-        assert events.count("engine.gemm") == 1 and events.index("engine.gemm") < events.index("service.ready")
         assert engine.events("engine.gemm")[0]["gemm"] == matmuls
     finally:
         engine.stop()
