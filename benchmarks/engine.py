@@ -6,11 +6,12 @@
     python -m benchmarks.engine --prefill 1024 --gemm mkl,numpy   # decode with both weight-matmul arms
 
 Sections run in order and share a `Bench` record (_common.py): baselines first (numpy GEMM rate, memory copy
-bandwidth, loopback socket bandwidth, the BLAS threadpoolctl sees), then
+bandwidth, memory read bandwidth, the BLAS threadpoolctl sees, loopback socket bandwidth), then
 - prefill tok/s of --prefill prompts (default 1k, 4k, 16k, 32k), fed in --chunk token chunks as the scheduler
   does with chunked_prefill, against FLOPs (weights + causal attention) / the GEMM rate;
 - decode tok/s at --batches (1, 8, 32) x --contexts (800, 8k), every sequence in its own pool blocks, against
-  (weights + the batch's KV) bytes per step / the copy bandwidth; once per --attention arm (numba: the engine's
+  (weights + the batch's KV) bytes per step / the copy bandwidth (the issue's bound) and / the read bandwidth (the
+  roof of a step that only reads); once per --attention arm (numba: the engine's
   compiled kernel, its default; numpy: attention.py) and --gemm arm (mkl: MKL's packed GEMM, the engine's default;
   numpy: OpenBLAS), the arms of a point run back to back;
 - peak resident memory of the longest prefill and of the largest batch x context (sampled while it runs);
@@ -28,6 +29,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -42,7 +44,7 @@ from benchmarks._common import Bench, Section, best_time, socket_bandwidth  # no
 from benchmarks.kv_transfer import kv_transfer  # noqa: E402
 from stack.engine import batched_decode, gemm  # noqa: E402
 from stack.engine.kv_cache import KVCache, KVPool  # noqa: E402
-from stack.engine.model import Model, Segment, forward  # noqa: E402
+from stack.engine.model import Model, Segment, attention_threads, forward  # noqa: E402
 
 FULL = {"prefill": [1024, 4096, 16384, 32768], "contexts": [800, 8192], "batches": [1, 8, 32]}
 QUICK = {"prefill": [1024, 4096], "contexts": [800], "batches": [1, 8, 32]}
@@ -76,6 +78,21 @@ def copy_bandwidth(bench: Bench) -> None:
     gbps = 2 * src.nbytes / seconds / 1e9
     bench.baselines["copy_gbps"] = gbps
     bench.report("memory copy bandwidth (read + write)", f"{gbps:8.1f} GB/s")
+
+
+def read_bandwidth(bench: Bench) -> None:
+    """A read-only stream of 1 GiB, one slice per attention thread (numpy's bitwise-or reduction only reads, and
+    releases the GIL): the roof of a decode step, which reads its weights and KV and writes next to nothing. The
+    copy above counts a write for every byte read, so it overstates how fast the cores can only read."""
+    words = np.ones(256 * 2**20, np.int32)  # (256M,) 1 GiB: several times L3 (300 MiB on some Xeons)
+    slices = np.array_split(words, attention_threads())
+    with ThreadPoolExecutor(len(slices)) as pool:
+        def read() -> None:
+            list(pool.map(np.bitwise_or.reduce, slices))
+        read()
+        gbps = words.nbytes / best_time(read, bench.repeat, bench.clock) / 1e9
+    bench.baselines["read_gbps"] = gbps
+    bench.report(f"memory read bandwidth ({len(slices)} threads)", f"{gbps:8.1f} GB/s")
 
 
 def blas(bench: Bench) -> None:
@@ -151,9 +168,11 @@ def decode(bench: Bench) -> None:
                 seconds = decode_step_seconds(bench, batch, context, k, v, arm, matmuls)
             step_bytes = weight_bytes + batch * context * model.config.kv_bytes_per_token
             bound = batch * bw / step_bytes  # tok/s if the step only streamed its bytes
+            roof = batch * bench.baselines["read_gbps"] * 1e9 / step_bytes  # tok/s if it only read them
             bench.report(f"decode batch {batch:>2}, context {context:>5}, {arm}, {matmuls} ({seconds * 1e3:6.1f} ms/step)",
                          f"{batch / seconds:8.0f} tok/s",
-                         f"bound {bound:6.0f} tok/s: {batch / seconds / bound:.2f} x (goal >= 0.5 at batch 32)")
+                         f"bound {bound:6.0f} tok/s: {batch / seconds / bound:.2f} x (goal >= 0.5 at batch 32); "
+                         f"read roof {roof:6.0f} tok/s: {batch / seconds / roof:.2f} x")
             if largest:
                 bench.report(f"peak RSS of batch {batch} x {context}", f"{rss['peak'] / 2**20:8.0f} MiB",
                              f"{rss['before'] / 2**20:.0f} MiB before; KV {batch * context * model.config.kv_bytes_per_token / 2**20:.0f} MiB")
@@ -276,7 +295,7 @@ def stability(bench: Bench) -> None:
 
 
 # Append a section (a function taking the `Bench`) to add figures; baselines run first.
-SECTIONS: list[Section] = [gemm_peak, copy_bandwidth, blas, socket_bandwidth, prefill, decode, attention_split, numba_decode,
+SECTIONS: list[Section] = [gemm_peak, copy_bandwidth, read_bandwidth, blas, socket_bandwidth, prefill, decode, attention_split, numba_decode,
                            kv_transfer, stability]
 
 
