@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -185,6 +186,8 @@ def main() -> None:
     engine_config.write_text(json.dumps({"model": "anchor", "role": "both", "checkpoint": str(ckpt), "max_num_batched_tokens": 2048,
                                          "chunked_prefill": True, "prefix_caching": False, "kv_cache_bytes": kv_bytes,
                                          "kv_transfer_config": {"kv_port": 0}}))
+    vllm_tmp = work / "tmp"
+    vllm_tmp.mkdir()
     servers = {
         "numpy engine": lambda: Server("numpy engine", [sys.executable, "-m", "stack.engine", "--config", str(engine_config),
                                                         "--host", "127.0.0.1", "--port", str(port), "--health-port",
@@ -196,7 +199,9 @@ def main() -> None:
                                                 "--max-num-batched-tokens", "2048"],
                                    f"http://127.0.0.1:{port}", {"VLLM_TARGET_DEVICE": "cpu",
                                                                 "VLLM_CPU_KVCACHE_SPACE": str(-(-kv_bytes // 2**30)),
-                                                                "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1"},
+                                                                "VLLM_NO_USAGE_STATS": "1", "HF_HUB_OFFLINE": "1",
+                                                                # its IPC sockets, which a stopped server leaves
+                                                                "TMPDIR": str(vllm_tmp)},
                                    work / "vllm.log"),
     }
     rounds: list[dict[str, dict[str, float]]] = []
@@ -211,6 +216,7 @@ def main() -> None:
             finally:
                 server.stop()
         rounds.append(results)
+    shutil.rmtree(vllm_tmp, ignore_errors=True)
     print(f"load average at the end {_load()}")
     rows = [(f"prefill tok/s ({int(rounds[0]['numpy engine'][f'prompt_tokens_{n}'])}-token prompt)", f"prefill_{n}")
             for n in points["prefill"]] + \
