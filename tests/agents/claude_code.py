@@ -21,7 +21,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,7 +102,14 @@ def run_claude(binary: Path, prompt: str, base_url: str, key: str, workdir: Path
     trace = workdir / f"connects-{len(list(workdir.glob('connects-*')))}.txt"
     argv = ["strace", "-f", "-qq", "-e", "trace=connect", "-e", "signal=none", "-o", str(trace),
             str(binary), "-p", prompt, *(["--continue"] if resume else []), "--output-format", "stream-json", "--verbose"]
-    done = subprocess.run(argv, cwd=project, env=env, capture_output=True, text=True, timeout=timeout_s, input=stdin)
+    # The CLI's own temp files and sockets (claude-<uid>/, cc-socks/) go under TMPDIR: one short directory a run
+    # (a socket's path must fit 108 bytes), removed after it, instead of /tmp for good.
+    scratch = Path(tempfile.mkdtemp(prefix="pd-cc-"))
+    try:
+        done = subprocess.run(argv, cwd=project, env=env | {"TMPDIR": str(scratch)}, capture_output=True, text=True,
+                              timeout=timeout_s, input=stdin)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     messages = []
     for line in done.stdout.splitlines():
         try:
