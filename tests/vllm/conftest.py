@@ -189,7 +189,8 @@ def vllm_bench(venv: Path, router: RouterProcess, tokenizer: Path, result_dir: P
             "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "8", "--num-prompts", str(prompts),
             "--request-rate", "4", "--seed", "0", "--ignore-eos", "--save-result", "--result-dir", str(result_dir),
             "--result-filename", "bench.json"]
-    env = {**os.environ, "OPENAI_API_KEY": KEY, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+    env = {**os.environ, "OPENAI_API_KEY": KEY, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           **({"TMPDIR": str(VllmServer.tmpdir)} if VllmServer.tmpdir else {})}  # torch inductor's cache, as the servers'
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
