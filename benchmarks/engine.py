@@ -12,8 +12,8 @@ bandwidth, memory read bandwidth, the BLAS threadpoolctl sees, loopback socket b
 - decode tok/s at --batches (1, 8, 32) x --contexts (800, 8k), every sequence in its own pool blocks, against
   (weights + the batch's KV) bytes per step / the copy bandwidth (the issue's bound) and / the read bandwidth (the
   roof of a step that only reads); once per --attention arm (numba: the engine's
-  compiled kernel, its default; numpy: attention.py) and --gemm arm (mkl: MKL's packed GEMM, the engine's default;
-  numpy: OpenBLAS), the arms of a point run back to back;
+  compiled kernel, its default; numpy: attention.py) and --gemm arm (auto: the engine's default, mkl on an Intel
+  CPU and numpy elsewhere; mkl: MKL's packed GEMM; numpy: OpenBLAS), the arms of a point run back to back;
 - peak resident memory of the longest prefill and of the largest batch x context (sampled while it runs);
 - attention on one thread vs spread over the cores (paired runs), for the largest decode batch and a prefill;
 - one layer's decode attention of the largest batch, numpy vs the engine's compiled kernel (attention_kernels.py);
@@ -51,7 +51,7 @@ QUICK = {"prefill": [1024, 4096], "contexts": [800], "batches": [1, 8, 32]}
 POINTS: dict[str, list[int]] = dict(FULL)  # set from the command line before the sections run
 CHUNK = [2048]  # prefill chunk (the scheduler's default max_num_batched_tokens)
 ATTENTION = ["numba"]  # decode attention arms (forward's `attention`), set from the command line
-GEMM = ["mkl"]  # decode weight-matmul arms (the engine config's `gemm`), set from the command line
+GEMM = ["auto"]  # decode weight-matmul arms (the engine config's `gemm`), set from the command line
 DECODE_STEPS = 4  # timed decode steps per run
 
 
@@ -158,6 +158,7 @@ def decode(bench: Bench) -> None:
     weight_bytes = model.weights.decode_bytes
     bench.report("decode weight bytes per step", f"{weight_bytes / 1e6:8.1f} MB")
     contexts, batches = fitting(model, POINTS["contexts"], DECODE_STEPS * (bench.repeat + 1)), POINTS["batches"]
+    matmul_of = {g: gemm.weight_matmul(model.weights, g, attention_threads()) for g in GEMM}  # packed once per arm
     for context in contexts:
         source = KVCache(model.config, context)
         prefill_into(model, source, np.random.default_rng(2).integers(0, model.config.vocab_size, context))
@@ -165,11 +166,13 @@ def decode(bench: Bench) -> None:
         for batch, arm, matmuls in ((b, a, g) for b in batches for a in ATTENTION for g in GEMM):
             largest = context == max(contexts) and batch == max(batches) and (arm, matmuls) == (ATTENTION[0], GEMM[0])
             with rss_peak() as rss:
-                seconds = decode_step_seconds(bench, batch, context, k, v, arm, matmuls)
+                seconds = decode_step_seconds(bench, batch, context, k, v, arm, matmul_of[matmuls])
+            runs_on = gemm.describe(matmul_of[matmuls])
             step_bytes = weight_bytes + batch * context * model.config.kv_bytes_per_token
             bound = batch * bw / step_bytes  # tok/s if the step only streamed its bytes
             roof = batch * bench.baselines["read_gbps"] * 1e9 / step_bytes  # tok/s if it only read them
-            bench.report(f"decode batch {batch:>2}, context {context:>5}, {arm}, {matmuls} ({seconds * 1e3:6.1f} ms/step)",
+            label = matmuls if matmuls == runs_on else f"{matmuls}={runs_on}"
+            bench.report(f"decode batch {batch:>2}, context {context:>5}, {arm}, {label} ({seconds * 1e3:6.1f} ms/step)",
                          f"{batch / seconds:8.0f} tok/s",
                          f"bound {bound:6.0f} tok/s: {batch / seconds / bound:.2f} x (goal >= 0.5 at batch 32); "
                          f"read roof {roof:6.0f} tok/s: {batch / seconds / roof:.2f} x")
@@ -194,10 +197,10 @@ def decode_caches(bench: Bench, batch: int, context: int, k: np.ndarray, v: np.n
 
 
 def decode_step_seconds(bench: Bench, batch: int, context: int, k: np.ndarray, v: np.ndarray, attention: str,
-                        matmuls: str = "mkl") -> float:
+                        matmul: gemm.Matmul | None = None) -> float:
     """Best wall time of one decode step over `decode_caches`, attending with `attention` (numba | numpy), the
-    weights multiplied as the engine's `gemm` = `matmuls` says (mkl | numpy)."""
-    model = bench.model if matmuls == "mkl" else replace(bench.model, matmul=np.matmul)
+    weights multiplied by `matmul` (default: the engine's, as `gemm: auto` picks it)."""
+    model = bench.model if matmul is None else replace(bench.model, matmul=matmul)
     caches = decode_caches(bench, batch, context, k, v)
     tokens = np.zeros(1, np.int64)  # (1,)
 
@@ -321,7 +324,7 @@ def points(argv: list[str]) -> list[str]:
     parser.add_argument("--attention", type=arms(batched_decode.ATTENTION), default=ATTENTION,
                         help="decode attention arms, comma-separated: numba (the engine's kernel, default), numpy")
     parser.add_argument("--gemm", type=arms(gemm.GEMM), default=GEMM,
-                        help="decode weight-matmul arms, comma-separated: mkl (the engine's default), numpy")
+                        help="decode weight-matmul arms, comma-separated: auto (the engine's default), mkl, numpy")
     args, rest = parser.parse_known_args(argv)
     POINTS.update(QUICK if args.quick else FULL)
     POINTS.update({key: getattr(args, key) for key in ("prefill", "contexts", "batches") if getattr(args, key)})

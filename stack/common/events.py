@@ -272,9 +272,10 @@ ENGINE_ATTENTION = Event("engine.attention", ENGINE, "at warm-up: which decode a
                          "(a warning: the kernel is wanted, numba does not import) or configured (attention: numpy)",
                          required=(ATTENTION,), optional=(KERNEL_MS, KERNEL_CACHED, REASON))
 GEMM = Field("gemm", str, "mkl", "mkl | numpy: what an engine's weight matmuls run on (stack/engine/gemm.py)")
-ENGINE_GEMM = Event("engine.gemm", ENGINE, "at warm-up: what the weight matmuls run on (mkl | numpy); at model load, a "
-                    "warning with reason mkl_missing when gemm: mkl is wanted and oneMKL does not load",
-                    required=(GEMM,), optional=(REASON,))
+CPU_VENDOR = Field("cpu_vendor", str, "GenuineIntel", "the CPU's vendor string (/proc/cpuinfo): gemm auto picks mkl on GenuineIntel only")
+ENGINE_GEMM = Event("engine.gemm", ENGINE, "at warm-up: what the weight matmuls run on (mkl | numpy) and the CPU's vendor; at "
+                    "model load, a warning with reason mkl_missing when mkl is wanted and oneMKL does not load",
+                    required=(GEMM,), optional=(CPU_VENDOR, REASON))
 
 # -- engine: KV transfer, prefill side (kv_producer) -------------------------------------------
 KV_PRODUCER_SENDING = Event("kv_producer.sending", PREFILL, "a KV push to decode starts",

@@ -57,7 +57,7 @@ class Segment:
     start_pos: int
 
 
-def load_model(source: str, seed: int = 0, matmuls: str = "mkl") -> Model:
+def load_model(source: str, seed: int = 0, matmuls: str = "auto") -> Model:
     """Load "dummy:tiny" | "dummy:small" (seeded random weights, the dummy BPE tokenizer) or an HF checkpoint directory;
     `matmuls` is the engine config's `gemm` (gemm.py)."""
     if source.startswith("dummy:"):

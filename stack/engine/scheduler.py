@@ -106,7 +106,9 @@ class Scheduler:
         if self.attention == "numpy":
             log_event(events.ENGINE_ATTENTION, "decode attention: numpy (attention: numpy)", attention="numpy", reason="configured")
         matmuls = gemm.describe(self.model.matmul)
-        log_event(events.ENGINE_GEMM, f"weight matmuls: {matmuls} (stack/engine/gemm.py)", gemm=matmuls)
+        vendor = gemm.cpu_vendor()
+        log_event(events.ENGINE_GEMM, f"weight matmuls: {matmuls} on a {vendor} CPU (stack/engine/gemm.py)",
+                  gemm=matmuls, cpu_vendor=vendor)
         cache = KVCache(self.model.config, 8)
         loop = asyncio.get_running_loop()
         step = partial(forward, self.model, attention=self.attention)

@@ -88,6 +88,17 @@ def test_gemm_numpy_is_numpys_matmul(tiny_model: Model) -> None:
     assert gemm.weight_matmul(tiny_model.weights, "numpy", 2) is np.matmul
 
 
+@pytest.mark.parametrize(("vendor", "packed"), [("GenuineIntel", True), ("AuthenticAMD", False), ("unknown", False)])
+def test_auto_packs_on_an_intel_cpu_only_and_mkl_on_any(tiny_model: Model, monkeypatch: pytest.MonkeyPatch,
+                                                        vendor: str, packed: bool) -> None:
+    """auto (the default) runs MKL where it runs its own kernels, an Intel CPU; elsewhere numpy (MKL's generic code
+    lost to OpenBLAS on an AMD EPYC, gemm.py). An explicit mkl packs on any CPU."""
+    monkeypatch.setattr(gemm, "cpu_vendor", lambda: vendor)
+    assert isinstance(gemm.weight_matmul(tiny_model.weights, "auto", 2), gemm.PackedMatmul) is packed
+    assert isinstance(gemm.weight_matmul(tiny_model.weights, "mkl", 2), gemm.PackedMatmul)
+
+
+
 def test_without_mkl_the_engine_runs_numpy_and_says_so(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """No loadable libmkl_rt: numpy's matmul, after one engine.gemm warning with reason mkl_missing."""
     monkeypatch.setattr(gemm, "load_mkl", lambda threads: None)

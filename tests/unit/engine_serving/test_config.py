@@ -12,6 +12,7 @@ import pytest
 
 from stack.common.config import ConfigError
 from stack.common.health_probe import SERVING, probe
+from stack.engine import gemm
 from stack.engine.__main__ import main
 from stack.engine.config import ignored_fields, load_config
 
@@ -126,7 +127,7 @@ def test_prefix_caching_env_overrides_the_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("key", "variable", "default", "other", "choices", "bad"), [
     ("attention", "PD_ATTENTION", "numba", "numpy", "numba or numpy", "flash"),  # the compiled kernel | attention.py
-    ("gemm", "PD_GEMM", "mkl", "numpy", "mkl or numpy", "cublas"),  # oneMKL's packed GEMM | OpenBLAS
+    ("gemm", "PD_GEMM", "auto", "numpy", "auto, mkl or numpy", "cublas"),  # MKL on Intel CPUs | OpenBLAS
 ])
 def test_engine_arms_default_and_their_variable_switches_them(tmp_path: Path, key: str, variable: str, default: str,
                                                               other: str, choices: str, bad: str) -> None:
@@ -179,12 +180,17 @@ def test_shipped_configs_start_and_report_ignored_fields(tmp_path: Path) -> None
         engine.stop()
 
 
-@pytest.mark.parametrize(("arm", "matmuls"), [("numba", "mkl"), ("numpy", "numpy")])
-def test_the_warm_up_readies_the_attention_and_says_what_the_matmuls_run_on(tmp_path: Path, arm: str,
-                                                                             matmuls: str) -> None:
+@pytest.mark.parametrize(("arm", "matmuls", "expected"), [
+    ("numba", "", "mkl" if gemm.cpu_vendor() == gemm.INTEL else "numpy"),  # the default, auto
+    ("numba", "mkl", "mkl"),
+    ("numpy", "numpy", "numpy"),
+])
+def test_the_warm_up_readies_the_attention_and_says_what_the_matmuls_run_on(tmp_path: Path, arm: str, matmuls: str,
+                                                                             expected: str) -> None:
     """One engine.attention line, before service.ready: the kernel compiled (or loaded from numba's cache) by the
-    warm-up, not by the first request; or numpy, as PD_ATTENTION=numpy configures. And one engine.gemm line: mkl by
-    default (MKL is a runtime dependency, so it must load: no mkl_missing warning), numpy with PD_GEMM=numpy."""
+    warm-up, not by the first request; or numpy, as PD_ATTENTION=numpy configures. And one engine.gemm line naming the
+    CPU's vendor: by default mkl on an Intel CPU and numpy on others; mkl on any CPU with PD_GEMM=mkl (MKL is a
+    runtime dependency, so it must load: no mkl_missing warning); numpy with PD_GEMM=numpy."""
     engine = EngineProcess(tmp_path, "both", {"model": "tiny", "role": "both", "checkpoint": "dummy:tiny"},
                            env={"PD_ATTENTION": arm, "PD_GEMM": matmuls})
     try:
@@ -198,7 +204,8 @@ def test_the_warm_up_readies_the_attention_and_says_what_the_matmuls_run_on(tmp_
             assert line["kernel_ms"] > 0 and isinstance(line["kernel_cached"], bool)
         else:
             assert line["reason"] == "configured"
-        assert engine.events("engine.gemm")[0]["gemm"] == matmuls
+        line = engine.events("engine.gemm")[0]
+        assert (line["level"], line["gemm"], line["cpu_vendor"]) == ("INFO", expected, gemm.cpu_vendor())
     finally:
         engine.stop()
 
