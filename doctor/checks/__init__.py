@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from doctor.checks import (auth_401, backends, bypass, choices_parse, client_view, config_mismatch, engine_config, healthy,
-                           internal_key, kv_transfer, lifecycle, local_proxy, long_prompt, model_name, nixl_lease_wait,
-                           nixl_transport, oauth, p2pnccl, slowness, stalled, tool_calling, unexplained, upstream)
+from doctor.checks import (auth_401, backends, bypass, choices_parse, client_view, config_mismatch, engine_config,
+                           engine_paths, healthy, internal_key, kv_transfer, lifecycle, local_proxy, long_prompt,
+                           model_name, nixl_lease_wait, nixl_transport, oauth, p2pnccl, slowness, stalled, tool_calling,
+                           unexplained, upstream)
 from doctor.findings import Context, Finding
 
 
@@ -54,6 +55,8 @@ REGISTRY: tuple[Check, ...] = (
           p2pnccl.check),
     Check("slowness", "P99 TTFT / TPOT over the SLO, with the queueing and KV waits the engines reported",
           slowness.check),
+    Check("engine_paths", "our engines on a slow path: attention or matmuls fallen back to numpy, MKL on a CPU "
+          "not Intel's", engine_paths.check),
 )
 # Findings that name a symptom, not a cause: for requests a specific finding explains, they step back.
 GENERIC = frozenset({"choices.decode_failed", "choices.stream_without_done", "backend.decode_down",

@@ -148,6 +148,13 @@ def weight_matmul(weights: Weights, gemm: str, threads: int) -> Matmul:
     return PackedMatmul(lib, weights)
 
 
+def log_matmuls(matmul: Matmul) -> None:
+    """The warm-up's one `engine.gemm` line: what the weight matmuls run on, on which CPU (the doctor reads both)."""
+    matmuls, vendor = describe(matmul), cpu_vendor()
+    log_event(events.ENGINE_GEMM, f"weight matmuls: {matmuls} on a {vendor} CPU (stack/engine/gemm.py)",
+              gemm=matmuls, cpu_vendor=vendor)
+
+
 def describe(matmul: Matmul) -> str:
     """What `matmul` runs on, as the engine.gemm line says it: mkl | numpy."""
     return "mkl" if isinstance(matmul, PackedMatmul) else "numpy"

@@ -105,10 +105,7 @@ class Scheduler:
         attention kernel (or loads it from numba's cache), so no request pays for it."""
         if self.attention == "numpy":
             log_event(events.ENGINE_ATTENTION, "decode attention: numpy (attention: numpy)", attention="numpy", reason="configured")
-        matmuls = gemm.describe(self.model.matmul)
-        vendor = gemm.cpu_vendor()
-        log_event(events.ENGINE_GEMM, f"weight matmuls: {matmuls} on a {vendor} CPU (stack/engine/gemm.py)",
-                  gemm=matmuls, cpu_vendor=vendor)
+        gemm.log_matmuls(self.model.matmul)
         cache = KVCache(self.model.config, 8)
         loop = asyncio.get_running_loop()
         step = partial(forward, self.model, attention=self.attention)
