@@ -21,27 +21,29 @@ from stack.common import events
 
 INTEL = "GenuineIntel"  # CPUID's vendor string: gemm auto picks MKL on it (stack/engine/gemm.py; not imported: numpy)
 
+# The fallbacks: (event, reason, finding id, what runs instead, why it is slower, the package to reinstall, more fix).
+_FALLBACKS = (
+    (events.ENGINE_ATTENTION, "numba_missing", "engine.attention_numpy",
+     "decode attention on numpy: numba did not import",
+     "numba is a runtime dependency; without it each decode step's attention is some twenty numpy calls per sequence "
+     "and layer instead of one compiled call, 2-4x slower at a batch of 32 (docs/engine.md). The engine's line names "
+     "the import error.",
+     "numba", ""),
+    (events.ENGINE_GEMM, "mkl_missing", "engine.gemm_mkl_missing",
+     "weight matmuls on numpy: oneMKL (libmkl_rt) did not load",
+     "MKL was wanted (the CPU is Intel's, or gemm: mkl) and the mkl wheel's library is not in the engine's "
+     "environment, so a decode batch's matmuls re-pack every weight on each call (docs/engine.md, \"Weight matmuls\").",
+     "mkl", "; or set PD_GEMM=numpy to choose OpenBLAS on purpose"),
+)
+
 
 def check(ctx: Context) -> list[Finding]:
     found = []
-    no_numba = [r for r in ctx.by_event(events.ENGINE_ATTENTION) if r[events.REASON] == "numba_missing"]
-    if no_numba:
-        found.append(finding(
-            "engine.attention_numpy", "warning",
-            f"{_who(no_numba)} decode attention on numpy: numba did not import",
-            "numba is a runtime dependency; without it each decode step's attention is some twenty numpy calls per "
-            "sequence and layer instead of one compiled call, 2-4x slower at a batch of 32 (docs/engine.md). The "
-            "engine's line names the import error.",
-            _rebuild(ctx, "numba"), no_numba))
-    no_mkl = [r for r in ctx.by_event(events.ENGINE_GEMM) if r[events.REASON] == "mkl_missing"]
-    if no_mkl:
-        found.append(finding(
-            "engine.gemm_mkl_missing", "warning",
-            f"{_who(no_mkl)} weight matmuls on numpy: oneMKL (libmkl_rt) did not load",
-            "MKL was wanted (the CPU is Intel's, or gemm: mkl) and the mkl wheel's library is not in the engine's "
-            "environment, so a decode batch's matmuls re-pack every weight on each call (docs/engine.md, \"Weight "
-            "matmuls\").",
-            _rebuild(ctx, "mkl") + "; or set PD_GEMM=numpy to choose OpenBLAS on purpose", no_mkl))
+    for event, reason, finding_id, what, cause, package, more in _FALLBACKS:
+        fell_back = [r for r in ctx.by_event(event) if r[events.REASON] == reason]
+        if fell_back:
+            fix = _rebuild(ctx, package) + more
+            found.append(finding(finding_id, "warning", f"{_who(fell_back)} {what}", cause, fix, fell_back))
     generic = [r for r in ctx.by_event(events.ENGINE_GEMM)
                if r[events.GEMM] == "mkl" and r[events.CPU_VENDOR] not in (None, INTEL)]
     if generic:
@@ -53,7 +55,7 @@ def check(ctx: Context) -> list[Finding]:
             "MKL picks its vectorised kernels on Intel CPUs only; elsewhere it runs code for any x86-64 CPU "
             "(MKL_VERBOSE=1 says \"Intel(R) Architecture processors\"). On an AMD EPYC a decode step of 8 sequences "
             "took 1.9x, and of 32 1.2x, OpenBLAS's time. gemm: mkl (or PD_GEMM=mkl) forces it.",
-            f"remove PD_GEMM from .env (or set PD_GEMM=auto; gemm: auto in the engine's config.json), which picks "
+            "remove PD_GEMM from .env (or set PD_GEMM=auto; gemm: auto in the engine's config.json), which picks "
             f"OpenBLAS on this CPU; {restart}", generic))
     return found
 
