@@ -175,8 +175,10 @@ def attention_pool() -> ThreadPoolExecutor:
 
 @lru_cache(maxsize=1)
 def blas_controller() -> ThreadpoolController:
-    """numpy's BLAS, found once (threadpoolctl, scikit-learn's library for exactly this)."""
-    return ThreadpoolController().select(user_api="blas")
+    """numpy's BLAS, found once (threadpoolctl, scikit-learn's library for exactly this): OpenBLAS, or BLIS in a numpy
+    built on it. Not oneMKL, which only gemm.py calls, outside attention, with its thread count set at load; its count
+    is OpenMP's, per thread (an attention thread read 2 while the step thread had limited it to 1)."""
+    return ThreadpoolController().select(internal_api=["openblas", "blis"])
 
 
 def blas_per_thread() -> AbstractContextManager[object]:
