@@ -96,7 +96,7 @@ def main(module: str, name: str, description: str, sections: Sequence[Section], 
     print(f"{name} benchmark: model {args.model}, numpy {np.__version__}, cpus {os.cpu_count()}, "
           f"load average {load}, env {env}")
     model = load_model(args.model)
-    print(f"weight matmuls: {gemm.describe(model.matmul)} on a {gemm.cpu_vendor()} CPU (stack/engine/gemm.py)")
+    print(f"weight matmuls: {gemm.describe(model.matmul)}, CPU vendor {gemm.cpu_vendor()} (stack/engine/gemm.py)")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     bench = Bench(model, args.prompt, args.repeat, clock=clock)
     for section in sections:

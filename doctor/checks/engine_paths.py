@@ -51,7 +51,7 @@ def check(ctx: Context) -> list[Finding]:
         restart = "docker compose up -d prefill decode" if engine_facts.compose(ctx) else "restart the engines"
         found.append(finding(
             "engine.gemm_mkl_generic", "warning",
-            f"{_who(generic)} weight matmuls on oneMKL on a {vendors} CPU, where MKL runs its generic code",
+            f"{_who(generic)} weight matmuls on oneMKL with a CPU of vendor {vendors}, where MKL runs its generic code",
             "MKL picks its vectorised kernels on Intel CPUs only; elsewhere it runs code for any x86-64 CPU "
             "(MKL_VERBOSE=1 says \"Intel(R) Architecture processors\"). On an AMD EPYC a decode step of 8 sequences "
             "took 1.9x, and of 32 1.2x, OpenBLAS's time. gemm: mkl (or PD_GEMM=mkl) forces it.",

@@ -151,7 +151,7 @@ def weight_matmul(weights: Weights, gemm: str, threads: int) -> Matmul:
 def log_matmuls(matmul: Matmul) -> None:
     """The warm-up's one `engine.gemm` line: what the weight matmuls run on, on which CPU (the doctor reads both)."""
     matmuls, vendor = describe(matmul), cpu_vendor()
-    log_event(events.ENGINE_GEMM, f"weight matmuls: {matmuls} on a {vendor} CPU (stack/engine/gemm.py)",
+    log_event(events.ENGINE_GEMM, f"weight matmuls: {matmuls}, CPU vendor {vendor} (stack/engine/gemm.py)",
               gemm=matmuls, cpu_vendor=vendor)
 
 
