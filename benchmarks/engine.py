@@ -158,7 +158,9 @@ def decode(bench: Bench) -> None:
     weight_bytes = model.weights.decode_bytes
     bench.report("decode weight bytes per step", f"{weight_bytes / 1e6:8.1f} MB")
     contexts, batches = fitting(model, POINTS["contexts"], DECODE_STEPS * (bench.repeat + 1)), POINTS["batches"]
-    matmul_of = {g: gemm.weight_matmul(model.weights, g, attention_threads()) for g in GEMM}  # packed once per arm
+    runs_on = {g: gemm.resolve(g, gemm.cpu_vendor()) for g in GEMM}  # auto is mkl or numpy: one packed copy per kind
+    built = {kind: gemm.weight_matmul(model.weights, kind, attention_threads()) for kind in set(runs_on.values())}
+    matmul_of = {g: built[kind] for g, kind in runs_on.items()}
     for context in contexts:
         source = KVCache(model.config, context)
         prefill_into(model, source, np.random.default_rng(2).integers(0, model.config.vocab_size, context))
@@ -167,11 +169,11 @@ def decode(bench: Bench) -> None:
             largest = context == max(contexts) and batch == max(batches) and (arm, matmuls) == (ATTENTION[0], GEMM[0])
             with rss_peak() as rss:
                 seconds = decode_step_seconds(bench, batch, context, k, v, arm, matmul_of[matmuls])
-            runs_on = gemm.describe(matmul_of[matmuls])
+            ran = gemm.describe(matmul_of[matmuls])  # numpy too when MKL does not load
             step_bytes = weight_bytes + batch * context * model.config.kv_bytes_per_token
             bound = batch * bw / step_bytes  # tok/s if the step only streamed its bytes
             roof = batch * bench.baselines["read_gbps"] * 1e9 / step_bytes  # tok/s if it only read them
-            label = matmuls if matmuls == runs_on else f"{matmuls}={runs_on}"
+            label = matmuls if matmuls == ran else f"{matmuls}={ran}"
             bench.report(f"decode batch {batch:>2}, context {context:>5}, {arm}, {label} ({seconds * 1e3:6.1f} ms/step)",
                          f"{batch / seconds:8.0f} tok/s",
                          f"bound {bound:6.0f} tok/s: {batch / seconds / bound:.2f} x (goal >= 0.5 at batch 32); "
