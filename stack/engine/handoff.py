@@ -127,6 +127,8 @@ class KVHandoff:
             for task in (computing, push):
                 if not task.done():
                     task.cancel()  # the caller went away: the prefill stops (between layers) and the push closes its socket
+            if prefilled is None and computing.done() and not computing.cancelled() and computing.exception() is None:
+                prefilled = computing.result()  # it finished in the loop turn the caller went away: nobody took the cache
             if prefilled is not None:
                 prefilled.release()  # pushed or not, the pool gets the cache back
         host, port = split_addr(params.decode_kv_addr)

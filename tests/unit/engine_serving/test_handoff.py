@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from stack.engine import kv_wire
+from stack.engine import kv_wire, protocol
 from stack.engine.kv_transfer import prompt_hash
 from stack.engine.kv_wire import KVHeader, KVTrailer
 
@@ -127,3 +127,28 @@ async def test_a_claim_cancelled_as_its_kv_arrives_strands_nothing(engine_client
     except asyncio.CancelledError:
         pass  # 3.12+: the claim itself released it
     assert consumer.buffer_used == 0 and consumer.held_transfers == 0
+
+
+async def test_a_prefill_leg_cancelled_as_its_prefill_finishes_gives_the_cache_back(engine_client, monkeypatch) -> None:
+    """The caller goes away in the loop turn the prefill finished (the router crashed): nobody reads the result, yet
+    the prefill pool gets its blocks back (otherwise they stay held for the engine's lifetime: the chaos tier's router
+    crash found it, 4 blocks stranded)."""
+    prefill, decode = await engine_client("prefill"), await engine_client("decode")
+    engine = prefill.engine
+    scheduler, leg = engine.scheduler, None
+    run_prefill = scheduler.prefill
+
+    async def finished_then_caller_gone(*args, **kwargs):
+        done = await run_prefill(*args, **kwargs)
+        leg.cancel()  # before the leg has run again: it sees CancelledError, not the result
+        return done
+
+    monkeypatch.setattr(scheduler, "prefill", finished_then_caller_gone)
+    body = prefill_leg(chat("the caller leaves right now", temperature=0), "t-gone", decode.kv_addr)
+    req = protocol.parse_request("chat", body, model_id=engine.config.model, tokenizer=engine.model.tokenizer,
+                                 max_model_len=engine.max_model_len)
+    leg = asyncio.ensure_future(engine.handoff.prefill("gone", req))
+    with pytest.raises(asyncio.CancelledError):
+        await leg
+    await wait_until(lambda: decode.engine.handoff.consumer.buffer_used == 0)  # the push was cut off or its lease ends
+    assert_all_free(prefill)
