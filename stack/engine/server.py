@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -184,7 +184,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
             return _completion(request, engine, req, [choice], [prefilled.output], prefilled.cached_tokens,
                                kv_transfer_params=prefilled.kv_transfer_params)
         if leg == "decode":
-            seqs.append(await _unless_client_gone(request, engine.handoff.decode(request_id, req)))
+            seqs.append(await _unless_client_gone(request, engine.handoff.decode(request_id, req), orphan=engine.scheduler.cancel))
         else:
             for i in range(req.n):
                 seqs.append(engine.scheduler.submit(request_id, list(req.prompt_tokens), req.sampling, choice=i))
@@ -288,10 +288,11 @@ async def _outputs(request: web.Request, seq: Sequence) -> AsyncIterator[Output]
             return
 
 
-async def _unless_client_gone(request: web.Request, awaitable: Awaitable[T]) -> T:
+async def _unless_client_gone(request: web.Request, awaitable: Awaitable[T], orphan: Callable[[T], None] | None = None) -> T:
     """Await `awaitable`; if the client disconnects meanwhile, cancel it and raise _ClientGone.
 
-    Covers both ways a departure shows: aiohttp cancelling the handler, or a closing transport.
+    Covers both ways a departure shows: aiohttp cancelling the handler, or a closing transport. A result that
+    arrived in the loop turn the handler was cancelled reaches nobody: `orphan(result)` stops its work.
     """
     task = asyncio.ensure_future(awaitable)
     try:
@@ -301,6 +302,10 @@ async def _unless_client_gone(request: web.Request, awaitable: Awaitable[T]) -> 
                 return task.result()
             if request.transport is None or request.transport.is_closing():
                 raise _ClientGone()
+    except asyncio.CancelledError:
+        if orphan is not None and task.done() and not task.cancelled() and task.exception() is None:
+            orphan(task.result())
+        raise
     finally:
         task.cancel()  # no-op once it is done
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from stack.engine import kv_wire, protocol
+from stack.engine import kv_wire, protocol, server
 from stack.engine.kv_transfer import prompt_hash
 from stack.engine.kv_wire import KVHeader, KVTrailer
 
@@ -152,3 +153,31 @@ async def test_a_prefill_leg_cancelled_as_its_prefill_finishes_gives_the_cache_b
         await leg
     await wait_until(lambda: decode.engine.handoff.consumer.buffer_used == 0)  # the push was cut off or its lease ends
     assert_all_free(prefill)
+
+
+async def test_a_decode_leg_whose_caller_leaves_as_it_is_queued_stops(engine_client, monkeypatch) -> None:
+    """The handler is cancelled in the loop turn the decode leg queued its sequence: the sequence nobody reads is
+    cancelled, not decoded to max_tokens, and both pools and the receive buffer come back."""
+    prefill, decode = await engine_client("prefill"), await engine_client("decode")
+    engine = decode.engine
+    body = chat("nobody reads this one", max_tokens=200, temperature=0)
+    params = await prefilled(prefill, decode, body, "t-orphan")
+    req = protocol.parse_request("chat", body | {"kv_transfer_params": params}, model_id=engine.config.model,
+                                 tokenizer=engine.model.tokenizer, max_model_len=engine.max_model_len)
+    queued, handler = [], None
+    run_decode = engine.handoff.decode
+
+    async def queued_then_caller_gone(*args):
+        queued.append(await run_decode(*args))
+        handler.cancel()  # aiohttp cancels the handler: the client closed its connection
+        return queued[0]
+
+    monkeypatch.setattr(engine.handoff, "decode", queued_then_caller_gone)
+    connected = SimpleNamespace(transport=SimpleNamespace(is_closing=lambda: False))
+    handler = asyncio.ensure_future(server._unless_client_gone(connected, engine.handoff.decode("orphan", req),
+                                                               orphan=engine.scheduler.cancel))
+    with pytest.raises(asyncio.CancelledError):
+        await handler
+    await wait_until(lambda: queued[0].finished)
+    assert len(queued[0].output) < 200, "the orphaned sequence decoded to max_tokens"
+    assert_all_free(prefill, decode)
