@@ -1,6 +1,7 @@
 """Router overhead: the real router process against calling a trivially fast backend directly.
 
     python -m benchmarks.router [--requests 2000] [--concurrency 32] [--stream-tokens 200] [--stream-pace-ms 0] [--pin]
+        [--prompt hello|agentic]
 
 One run starts a fake backend (answers at once; prefill legs get kv_transfer_params; GET /health names
 a KV port, as decode's does) on two ports,
@@ -14,6 +15,9 @@ alone), each colocated (one upstream request) and disaggregated (prefill leg + d
             backend writes a whole answer at once (a burst: the router forwards what one read
             brought in one write) or, with --stream-pace-ms, one chunk per interval, as a real
             engine does (every token then costs the router its own read and write)
+--prompt agentic sends what coding agents send instead of one short line: a Claude-Code-sized turn with its
+system prompt and 14 tools (~33 kB of JSON), so the figures include the router's per-byte work (the JSON limits,
+parsing, the legs' bodies).
 CPU comes from /proc, so "per core" figures do not depend on where the OS runs the router;
 `--pin` pins the router to core 0 and the backend and load generator to the other cores.
 Targets: ≤ 1 ms added p50, ≥ 2,000 non-streamed req/s and ≥ 50,000 relayed tokens/s on one core.
@@ -33,9 +37,13 @@ import tempfile
 import time
 from contextlib import aclosing
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import numpy as np
 from aiohttp import web
+
+from stack.bench.agentic import PROFILES, AgenticShape, build_workload
 
 KEY = "bench-" + "k" * 24
 MODEL = "bench-model"
@@ -189,9 +197,18 @@ async def _one(session: aiohttp.ClientSession, url: str, body: bytes, stream: bo
     return time.perf_counter() - started, tokens
 
 
-async def _load(url: str, n: int, concurrency: int, stream: bool, tokens: int) -> tuple[list[float], int, float]:
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hello to the benchmark."}],
-                       "max_tokens": tokens, "stream": stream}).encode()
+def _prompt(kind: str) -> dict[str, Any]:
+    """The request's conversation: one short line, or a Claude-Code-sized turn (stack.bench.agentic's claude-code
+    profile: its system prompt and 14 tools, the last of 4 turns; about 33 kB of JSON), what agents send."""
+    if kind == "hello":
+        return {"messages": [{"role": "user", "content": "Say hello to the benchmark."}]}
+    shape = AgenticShape(sessions=1, turns=4, **PROFILES["claude-code"], turn_len=200, output_len=32, think_mean_s=1, stagger_s=0)
+    workload = build_workload(shape, np.random.default_rng(0))
+    return {"messages": workload.messages(workload.sessions[0], 3), "tools": list(workload.tools)}
+
+
+async def _load(url: str, n: int, concurrency: int, stream: bool, tokens: int, prompt: dict[str, Any]) -> tuple[list[float], int, float]:
+    body = json.dumps({"model": MODEL, **prompt, "max_tokens": tokens, "stream": stream}).encode()
     latencies: list[float] = []
     relayed = 0
     connector = aiohttp.TCPConnector(limit=0)
@@ -219,16 +236,16 @@ def _pct(values: list[float], q: float) -> float:
 
 async def _measure(name: str, url: str, direct: str, pid: int | None, args: argparse.Namespace) -> dict[str, float]:
     """Latency, capacity and stream figures for one target (pid None = the backend itself)."""
-    seq = max(100, args.requests // 10)
-    lat, _, _ = await _load(url, seq, 1, False, args.stream_tokens)
-    base, _, _ = await _load(direct, seq, 1, False, args.stream_tokens)
+    seq, prompt = max(100, args.requests // 10), _prompt(args.prompt)
+    lat, _, _ = await _load(url, seq, 1, False, args.stream_tokens, prompt)
+    base, _, _ = await _load(direct, seq, 1, False, args.stream_tokens, prompt)
     cpu0 = _cpu_seconds(pid) if pid else 0.0
-    _, _, wall = await _load(url, args.requests, args.concurrency, False, args.stream_tokens)
+    _, _, wall = await _load(url, args.requests, args.concurrency, False, args.stream_tokens, prompt)
     cpu1 = _cpu_seconds(pid) if pid else 0.0
     n_streams = max(20, args.requests // 20)
     # Paced streams spend most of their time waiting: more of them at once keep the router busy.
     _, relayed, stream_wall = await _load(url, n_streams, args.concurrency if args.stream_pace_ms else min(8, args.concurrency), True,
-                                          args.stream_tokens)
+                                          args.stream_tokens, prompt)
     cpu2 = _cpu_seconds(pid) if pid else 0.0
     row = {
         "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99), "direct_p50_ms": _pct(base, 0.5), "direct_p99_ms": _pct(base, 0.99),
@@ -316,7 +333,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def _report(results: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
-    print(f"\nrouter overhead ({'router pinned to core 0; ' if args.pin else ''}{args.requests} requests at concurrency {args.concurrency}; "
+    print(f"\nrouter overhead ({'router pinned to core 0; ' if args.pin else ''}{args.requests} {args.prompt} requests at concurrency {args.concurrency}; "
           f"streams of {args.stream_tokens} chunks, {f'{args.stream_pace_ms:g} ms apart' if args.stream_pace_ms else 'as a burst'}; load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
     print(f"{'setup':36} {'p50 ms':>8} {'direct':>8} {'added':>7} {'p99 ms':>8} {'direct':>8} {'added':>7} "
           f"{'CPU µs/req':>10} {'req/s/core':>10} {'req/s':>7} {'CPU µs/tok':>10} {'tok/s/core':>10}")
@@ -342,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-tokens", type=int, default=200, help="chunks per streamed answer")
     parser.add_argument("--stream-pace-ms", type=float, default=0.0, help="backend: ms between stream chunks (0: all at once)")
     parser.add_argument("--pin", action="store_true", help="pin the router to core 0, everything else to the other cores")
+    parser.add_argument("--prompt", choices=("hello", "agentic"), default="hello",
+                        help="what each request carries: one short line, or a Claude-Code-sized turn with 14 tools (~33 kB)")
     parser.add_argument("--serve-backend", nargs=2, type=int, metavar=("PREFILL_PORT", "DECODE_PORT"), help=argparse.SUPPRESS)
     parser.add_argument("--serve-bare", nargs=3, metavar=("PORT", "PREFILL", "DECODE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """Where the router's CPU goes: py-spy samples of the real router under load, grouped by the code that spent them.
 
-    python -m benchmarks.router_profile [--mode plain|pd] [--phase requests|streams] [--requests 5000]
+    python -m benchmarks.router_profile [--mode plain|pd] [--phase requests|streams] [--requests 5000] [--prompt hello|agentic]
         [--concurrency 32] [--stream-tokens 64] [--stream-pace-ms 1] [--rate 250] [--top 30] [--raw FILE]
 
 Starts benchmarks.router's fake backend and the full router (`python -m stack.router`, its JSON lines to a file as
@@ -25,7 +25,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.router import KEY, _free_port, _load, _settings, _wait_ready
+from benchmarks.router import KEY, _free_port, _load, _prompt, _settings, _wait_ready
 
 _FRAME = re.compile(r"(?P<function>.*) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
 _OURS = re.compile(r"(?:^|/)((?:stack|doctor)/.+\.py)$")
@@ -86,14 +86,14 @@ async def _profile(args: argparse.Namespace, tmp: Path) -> str:
         await _wait_ready(decode + "/v1/models")
         await _wait_ready(f"http://127.0.0.1:{port}/health")
         url, stream = f"http://127.0.0.1:{port}/v1/chat/completions", args.phase == "streams"
-        await _load(url, 200, args.concurrency, stream, args.stream_tokens)  # warm up: connections, caches
+        await _load(url, 200, args.concurrency, stream, args.stream_tokens, _prompt(args.prompt))  # warm up: connections, caches
         out = args.raw or tmp / "router.raw"
         spy = subprocess.Popen([str(Path(python).with_name("py-spy")), "record", "--pid", str(router.pid), "--rate", str(args.rate),
                                 "--format", "raw", "--output", str(out), "--nonblocking"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         await asyncio.sleep(1.0)  # py-spy attaches
         n = args.requests // (10 if stream else 1)
-        await _load(url, n, args.concurrency, stream, args.stream_tokens)
+        await _load(url, n, args.concurrency, stream, args.stream_tokens, _prompt(args.prompt))
         spy.send_signal(2)  # SIGINT: py-spy writes what it sampled and exits
         _, err = spy.communicate(timeout=60)
         if spy.returncode not in (0, -2) and not Path(out).exists():
@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-pace-ms", type=float, default=1.0, help="ms between the backend's stream chunks (0: a burst)")
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--prompt", choices=("hello", "agentic"), default="hello", help="benchmarks.router's --prompt")
     parser.add_argument("--raw", type=Path, help="keep py-spy's collapsed stacks here (flamegraph.pl or speedscope read them)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="router-profile-") as tmp:

@@ -27,6 +27,8 @@ def decode_body(raw: bytes) -> dict[str, Any]:
                              code="invalid_json") from None
     if not isinstance(body, dict):
         raise InvalidRequest(f"Request body must be a JSON object, got a JSON {json_type(body)}.", code="invalid_json")
-    if b"\\u" in raw:  # only a \uXXXX escape can carry a lone surrogate (raw UTF-8 cannot): walk only then
+    # A lone surrogate comes from a \uXXXX escape or from its bytes sent raw (json.loads(bytes) lets them through,
+    # all starting \xed as some Hangul does): walk only then. The body that leaves has none (parse(checked=True)).
+    if b"\\u" in raw or b"\xed" in raw:
         check_unicode(body)
     return body

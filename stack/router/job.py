@@ -4,7 +4,9 @@ reads off it once (prompt size, token budget, deadlines).
 The API front ends parse a body into the typed request (stack.protocol) and serialise the engine body from it
 (api/common.engine_body); both come here. Everything the router needs to know about the request is read from the
 typed one, once, when the job is made: the prompt's size (one walk of the messages), max_tokens as parse resolved
-it, stream. The body is what the legs send, with only the hand-off's changes (prefill_body, decode_body).
+it, stream. The body is what the legs send, with only the hand-off's changes (prefill_body, decode_body), as JSON
+bytes: the messages, tools or prompt that both legs (and every retry) carry unchanged are encoded once a request,
+not once a leg (an agent's request is ~30 kB of them: ~0.2 ms of encoding a leg).
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from stack.common import json_text
 from stack.protocol.types import Request
 from stack.router.deadlines import Budgets
 
 NO_HEADERS: Mapping[str, str] = MappingProxyType({})  # a caller with no client request (benchmarks, tests): no session
+_SHARED = frozenset({"messages", "tools", "prompt"})  # the bulk of a body, the same in every leg
 
 
 def prompt_chars(req: Request) -> int:
@@ -54,6 +58,7 @@ class Job:
     decode_tokens: int  # what the decode slot counts: prompt_tokens + max_tokens
     budgets: Budgets  # this request's leg timeouts and deadline, sized by its prompt (deadlines.py)
     started: float = field(default_factory=time.perf_counter)
+    shared_json: dict[str, str] = field(default_factory=dict)  # _SHARED fields' JSON, encoded by the first leg
 
     @classmethod
     def make(cls, request_id: str, path: str, req: Request, body: dict[str, Any], headers: Mapping[str, str], stream: bool,
@@ -64,7 +69,7 @@ class Job:
         prompt_tokens, max_tokens = estimate_prompt_tokens(req, chars), req.sampling.max_tokens or default_max_tokens
         return cls(request_id, path, req, clean, headers, stream, prompt_tokens, max_tokens, prompt_tokens + max_tokens, budgets_for(chars))
 
-    def prefill_body(self, kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+    def prefill_body(self, kv_transfer_params: dict[str, Any] | None) -> bytes:
         """One token, not streamed, no stream_options (vLLM's toy proxy). `min_tokens` becomes 1 when the client set
         it: our decode continues from prefill's token, which must not be EOS then (vLLM needs min ≤ max = 1)."""
         body = {k: v for k, v in self.body.items() if k not in ("stream_options", "min_tokens", "min_completion_tokens")}
@@ -73,9 +78,9 @@ class Job:
             body["min_tokens"] = 1
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
-        return body
+        return self._encode(body)
 
-    def decode_body(self, kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+    def decode_body(self, kv_transfer_params: dict[str, Any] | None) -> bytes:
         """The client's request; streams always ask for usage (the router counts tokens from it)."""
         body = dict(self.body)
         if self.stream:
@@ -86,4 +91,12 @@ class Job:
             body.pop("stream_options", None)
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
-        return body
+        return self._encode(body)
+
+    def _encode(self, body: dict[str, Any]) -> bytes:
+        """`json_text.dumps(body)`, byte for byte, with the _SHARED fields' text from shared_json."""
+        shared = self.shared_json
+        for name in _SHARED.intersection(body).difference(shared):
+            shared[name] = json_text.dumps(body[name])
+        items = (f"{json_text.dumps(k)}: {shared[k] if k in shared else json_text.dumps(v)}" for k, v in body.items())
+        return ("{" + ", ".join(items) + "}").encode()

@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from stack.common import events, json_text
+from stack.common import events
 from stack.common.errors import (
     CLIENT_REQUEST_ID_HEADER,
     REQUEST_ID_HEADER,
@@ -201,13 +201,13 @@ def _headers(request_id: str) -> dict[str, str]:
     return {**_JSON_HEADERS, REQUEST_ID_HEADER: request_id, **({CLIENT_REQUEST_ID_HEADER: client_id} if client_id else {})}
 
 
-async def post_json(client: EngineHTTP, backend: Backend, path: str, body: dict[str, Any], request_id: str,
+async def post_json(client: EngineHTTP, backend: Backend, path: str, body: bytes, request_id: str,
                     leg: Timeout) -> dict[str, Any]:
     """POST a non-streamed leg and return its JSON answer, or raise LegFailed. Cancelled (the request's deadline, the
     client gone) or timed out, the connection is closed, not returned to the pool: the engine sees the disconnect."""
     response: Response | None = None
     try:
-        response = await client.post(backend.url + path, json_text.dumps(body).encode(), _headers(request_id), leg)
+        response = await client.post(backend.url + path, body, _headers(request_id), leg)
         if response.status >= 400:
             raise await response_failure(backend, response)
         data = json.loads(await response.read())  # engines answer UTF-8 JSON; skips charset sniffing
@@ -227,11 +227,11 @@ async def post_json(client: EngineHTTP, backend: Backend, path: str, body: dict[
     return data
 
 
-async def open_stream(client: EngineHTTP, backend: Backend, path: str, body: dict[str, Any], request_id: str,
+async def open_stream(client: EngineHTTP, backend: Backend, path: str, body: bytes, request_id: str,
                       leg: Timeout) -> Response:
     """POST a streamed leg and return the open 200 response (the caller reads and closes it)."""
     try:
-        response = await client.post(backend.url + path, json_text.dumps(body).encode(), _headers(request_id), leg)
+        response = await client.post(backend.url + path, body, _headers(request_id), leg)
     except Exception as exc:  # noqa: BLE001
         raise exception_failure(backend, exc, "stream start") from exc
     if response.status >= 400:

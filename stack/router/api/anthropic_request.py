@@ -193,4 +193,4 @@ def _chat(body: dict[str, Any], max_tokens: int | None, caps: Capabilities) -> d
 
 def parse_messages_request(body: dict[str, Any], max_tokens: int | None, caps: Capabilities) -> Request:
     """The request contract for a Messages body (`max_tokens` None: count_tokens, which has none)."""
-    return parse("chat", _chat(body, max_tokens, caps), labels=_LABELS)
+    return parse("chat", _chat(body, max_tokens, caps), labels=_LABELS, checked=True)  # body: read_json's

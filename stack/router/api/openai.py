@@ -81,7 +81,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions."""
     body = await read_json(request)
     _check_known(body, _CHAT_KNOWN)
-    req = parse("chat", body)
+    req = parse("chat", body, checked=True)  # read_json: decode_body refused lone surrogates
     _check_chat_only(Fields(body))
     upstream = engine_body(request, req, "chat", vllm_extras(body))
     received(request, "chat", req.model, req.stream)
@@ -92,7 +92,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions (legacy text completions)."""
     body = await read_json(request)
     _check_known(body, _COMPLETION_KNOWN)
-    req = parse("completion", body)
+    req = parse("completion", body, checked=True)
     vllm = request.app[PD].monitor.vllm_fields
     _check_completion_only(Fields(body), vllm)
     extras = vllm_extras(body) if vllm else {k: v for k, v in vllm_extras(body).items() if k not in ("echo", "best_of")}

@@ -145,7 +145,7 @@ def _parse(body: dict[str, Any], caps: Capabilities) -> Request:
               "tools": tools, "tool_choice": _tool_choice(f), "response_format": _response_format(f),
               **{name: body.get(name) for name in ("temperature", "top_p", "ignore_eos", "parallel_tool_calls")}}
     return parse("chat", {k: v for k, v in fields.items() if v is not None},
-                 labels={"max_tokens": "max_output_tokens", "response_format": "text.format"})
+                 labels={"max_tokens": "max_output_tokens", "response_format": "text.format"}, checked=True)
 
 
 async def responses(request: web.Request) -> web.StreamResponse:

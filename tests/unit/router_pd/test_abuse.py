@@ -129,6 +129,19 @@ def test_safe_json_accepts_real_bodies_and_strings_full_of_brackets() -> None:
         safe_json.check_body(b"[" * (safe_json.MAX_DEPTH + 1) + b"]" * (safe_json.MAX_DEPTH + 1))
 
 
+@pytest.mark.parametrize("text", ['ends in a backslash \\', 'a \\" b', '\\\\"[[[', '"{"{"{', 'x\\\\\\" ]]]] \\u005c"'])
+def test_safe_json_finds_the_strings_whatever_their_escapes(text: str) -> None:
+    """Escaped quotes and backslashes in any order never make string text count as structure, nor hide real nesting
+    after the string: the limits are exact (MAX_DEPTH passes, one more level fails; a long number outside a string)."""
+    deep = lambda n: "[" * n + "1" + "]" * n  # noqa: E731
+    pad = json.dumps([text] * 40 + ["[" * 80, "9" * 200])  # strings full of brackets, digits and escapes
+    safe_json.check_body(f'{{"s": {pad}, "d": {deep(safe_json.MAX_DEPTH - 1)}}}'.encode())
+    with pytest.raises(InvalidRequest, match="nests JSON 65 levels"):
+        safe_json.check_body(f'{{"s": {pad}, "d": {deep(safe_json.MAX_DEPTH)}}}'.encode())
+    with pytest.raises(InvalidRequest, match="number literal"):
+        safe_json.check_body(f'{{"s": {pad}, "n": {"9" * (safe_json.MAX_NUMBER_CHARS + 1)}}}'.encode())
+
+
 async def test_an_engine_refuses_callers_without_the_internal_key(aiohttp_client) -> None:
     """/v1/* needs `Bearer <PD_INTERNAL_KEY>` (the clients' key is refused too); /health stays open."""
     async def ok(_request: web.Request) -> web.Response:
