@@ -26,11 +26,16 @@ NO_HEADERS: Mapping[str, str] = MappingProxyType({})  # a caller with no client 
 _SHARED = frozenset({"messages", "tools", "prompt"})  # the bulk of a body, the same in every leg
 
 
-def prompt_chars(req: Request) -> int:
-    """The prompt's size in characters: message texts, tool calls and tool definitions (chat), or the prompt."""
+def prompt_chars(req: Request, tools_json: str | None = None) -> int:
+    """The prompt's size in characters: message texts, tool calls and tool definitions (chat), or the prompt.
+    `tools_json`: the tools as the legs' bodies carry them, already encoded; its length stands for the definitions'
+    (their JSON framing included, ~70 characters a tool) instead of encoding every schema once more."""
     if req.kind == "completion":
         return len(req.prompt)  # a token-id prompt: its length is its token count
-    chars = sum(len(t.name) + len(t.description or "") + (len(json.dumps(t.parameters)) if t.parameters else 0) for t in req.tools)
+    if tools_json is not None:
+        chars = len(tools_json)
+    else:
+        chars = sum(len(t.name) + len(t.description or "") + (len(json.dumps(t.parameters)) if t.parameters else 0) for t in req.tools)
     for message in req.messages:
         chars += len(message.content or "") + sum(len(c.name) + len(c.arguments) for c in message.tool_calls)
     return chars
@@ -58,16 +63,18 @@ class Job:
     decode_tokens: int  # what the decode slot counts: prompt_tokens + max_tokens
     budgets: Budgets  # this request's leg timeouts and deadline, sized by its prompt (deadlines.py)
     started: float = field(default_factory=time.perf_counter)
-    shared_json: dict[str, str] = field(default_factory=dict)  # _SHARED fields' JSON, encoded by the first leg
+    shared_json: dict[str, str] = field(default_factory=dict)  # the _SHARED fields' JSON, encoded once (make)
 
     @classmethod
     def make(cls, request_id: str, path: str, req: Request, body: dict[str, Any], headers: Mapping[str, str], stream: bool,
              default_max_tokens: int, budgets_for: Callable[[int], Budgets]) -> Job:
         """`budgets_for(prompt_chars) -> Budgets` (PDClient's, which knows the window and the settings)."""
-        chars = prompt_chars(req)
+        shared = {name: json_text.dumps(body[name]) for name in _SHARED.intersection(body)}
+        chars = prompt_chars(req, shared.get("tools"))
         clean = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # a client must not steer the KV plumbing
         prompt_tokens, max_tokens = estimate_prompt_tokens(req, chars), req.sampling.max_tokens or default_max_tokens
-        return cls(request_id, path, req, clean, headers, stream, prompt_tokens, max_tokens, prompt_tokens + max_tokens, budgets_for(chars))
+        return cls(request_id, path, req, clean, headers, stream, prompt_tokens, max_tokens, prompt_tokens + max_tokens, budgets_for(chars),
+                   shared_json=shared)
 
     def prefill_body(self, kv_transfer_params: dict[str, Any] | None) -> bytes:
         """One token, not streamed, no stream_options (vLLM's toy proxy). `min_tokens` becomes 1 when the client set
@@ -96,7 +103,5 @@ class Job:
     def _encode(self, body: dict[str, Any]) -> bytes:
         """`json_text.dumps(body)`, byte for byte, with the _SHARED fields' text from shared_json."""
         shared = self.shared_json
-        for name in _SHARED.intersection(body).difference(shared):
-            shared[name] = json_text.dumps(body[name])
         items = (f"{json_text.dumps(k)}: {shared[k] if k in shared else json_text.dumps(v)}" for k, v in body.items())
         return ("{" + ", ".join(items) + "}").encode()

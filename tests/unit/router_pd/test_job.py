@@ -44,10 +44,10 @@ def test_each_leg_body_is_the_json_of_its_dict(kind: str, body: dict[str, Any], 
 
 
 def test_the_bulk_is_encoded_once_for_every_leg_and_retry(monkeypatch) -> None:
-    leg = job("chat", CHAT, stream=False)
     encoded: list[Any] = []
     dumps = json_text.dumps
     monkeypatch.setattr(json_text, "dumps", lambda value: encoded.append(value) or dumps(value))
+    leg = job("chat", CHAT, stream=False)
     for _ in range(3):  # prefill, decode, and one retry's prefill
         leg.prefill_body(None), leg.decode_body(None)
     assert sum(value is CHAT["messages"] for value in encoded) == 1 and sum(value is CHAT["tools"] for value in encoded) == 1
