@@ -24,8 +24,9 @@ from stack.router.deadlines import Budgets
 
 NO_HEADERS: Mapping[str, str] = MappingProxyType({})  # a caller with no client request (benchmarks, tests): no session
 _SHARED = frozenset({"messages", "tools", "prompt"})  # the bulk of a body, the same in every leg
-# Below this much shared JSON the legs' bodies are encoded whole, in one call of the C encoder: splicing costs a call
-# per key, and on a one-line chat request it made the router's PD CPU 1.04-1.08x of one encoding a leg.
+# Below this many prompt characters (prompt_chars) the legs' bodies are encoded whole, in one call of the C encoder:
+# splicing costs a call per key, and on a one-line chat request it made the router's PD CPU 1.04-1.08x of one
+# encoding a leg. Decided before the bulk is encoded, so a short request encodes its messages only in its legs.
 SPLICE_MIN_CHARS = 2048
 
 
@@ -72,13 +73,14 @@ class Job:
     def make(cls, request_id: str, path: str, req: Request, body: dict[str, Any], headers: Mapping[str, str], stream: bool,
              default_max_tokens: int, budgets_for: Callable[[int], Budgets]) -> Job:
         """`budgets_for(prompt_chars) -> Budgets` (PDClient's, which knows the window and the settings)."""
-        shared = {name: json_text.dumps(body[name]) for name in _SHARED.intersection(body)}
-        chars = prompt_chars(req, shared.get("tools"))
+        tools = json_text.dumps(body["tools"]) if "tools" in body else None  # the prompt estimate reads its length
+        chars = prompt_chars(req, tools)
+        shared = {} if chars < SPLICE_MIN_CHARS else {  # a short request's legs are encoded whole
+            name: tools if name == "tools" else json_text.dumps(body[name]) for name in _SHARED.intersection(body)}
         clean = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # a client must not steer the KV plumbing
         prompt_tokens, max_tokens = estimate_prompt_tokens(req, chars), req.sampling.max_tokens or default_max_tokens
-        spliced = shared if sum(map(len, shared.values())) >= SPLICE_MIN_CHARS else {}
         return cls(request_id, path, req, clean, headers, stream, prompt_tokens, max_tokens, prompt_tokens + max_tokens, budgets_for(chars),
-                   shared_json=spliced)
+                   shared_json=shared)
 
     def prefill_body(self, kv_transfer_params: dict[str, Any] | None) -> bytes:
         """One token, not streamed, no stream_options (vLLM's toy proxy). `min_tokens` becomes 1 when the client set
