@@ -31,7 +31,8 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from stack.engine import blas_env
 
@@ -53,6 +54,41 @@ CHUNK = [2048]  # prefill chunk (the scheduler's default max_num_batched_tokens)
 ATTENTION = ["numba"]  # decode attention arms (forward's `attention`), set from the command line
 GEMM = ["auto"]  # decode weight-matmul arms (the engine config's `gemm`), set from the command line
 DECODE_STEPS = 4  # timed decode steps per run
+R = TypeVar("R")
+
+
+# A point's bound is the machine's rate measured right before and right after it, and the ratio is to their mean.
+# On a shared 2-core VM the same 2048^3 GEMM ran 1.95x faster at the end of one run than at its start, and the
+# copy bandwidth moved 16-22 GB/s within minutes: a rate taken once at the start was no bound for a point timed
+# minutes later. A point whose two rates differ by more than STEADY is marked: the machine changed under it.
+STEADY = 1.15
+
+
+@dataclass(frozen=True)
+class Bracket:
+    """A machine rate (GFLOP/s or GB/s) measured right before and right after one point."""
+
+    before: float
+    after: float
+
+    @property
+    def rate(self) -> float:
+        return (self.before + self.after) / 2
+
+    @property
+    def steady(self) -> bool:
+        return max(self.before, self.after) <= STEADY * min(self.before, self.after)
+
+    def note(self, name: str, unit: str) -> str:
+        mark = "" if self.steady else f"; UNSTEADY (>{STEADY:g}x apart): the machine changed during this point"
+        return f"{name} {self.before:.1f} before, {self.after:.1f} after {unit}{mark}"
+
+
+def bracketed(run: Callable[[], R], *measures: Callable[[], float]) -> tuple[R, list[Bracket]]:
+    """`run()`'s result, and each of the rates that bound it measured right before and right after it."""
+    before = [measure() for measure in measures]
+    result = run()
+    return result, [Bracket(rate, measure()) for rate, measure in zip(before, measures, strict=True)]
 
 
 def measure_gemm(bench: Bench) -> float:
@@ -69,30 +105,37 @@ def gemm_peak(bench: Bench) -> None:
     bench.report("numpy GEMM 2048^3 float32", f"{gflops:8.1f} GFLOP/s")
 
 
-def copy_bandwidth(bench: Bench) -> None:
-    """np.copyto of 256 MB, counting read + write traffic: the memory roof for decode."""
+def measure_copy(bench: Bench) -> float:
+    """GB/s of np.copyto of 256 MB, counting read + write traffic, best of `repeat`: the memory roof for decode."""
     src = np.ones(64 * 2**20, np.float32)  # (64M,) 256 MB, far beyond L3
     dst = np.empty_like(src)
     np.copyto(dst, src)
-    seconds = best_time(lambda: np.copyto(dst, src), bench.repeat, bench.clock)
-    gbps = 2 * src.nbytes / seconds / 1e9
+    return 2 * src.nbytes / best_time(lambda: np.copyto(dst, src), bench.repeat, bench.clock) / 1e9
+
+
+def copy_bandwidth(bench: Bench) -> None:
+    gbps = measure_copy(bench)
     bench.baselines["copy_gbps"] = gbps
     bench.report("memory copy bandwidth (read + write)", f"{gbps:8.1f} GB/s")
 
 
-def read_bandwidth(bench: Bench) -> None:
-    """A read-only stream of 1 GiB, one slice per attention thread (numpy's bitwise-or reduction only reads, and
-    releases the GIL): the roof of a decode step, which reads its weights and KV and writes next to nothing. The
-    copy above counts a write for every byte read, so it overstates how fast the cores can only read."""
+def measure_read(bench: Bench) -> float:
+    """GB/s of a read-only stream of 1 GiB, one slice per attention thread (numpy's bitwise-or reduction only reads,
+    and releases the GIL), best of `repeat`: the roof of a decode step, which reads its weights and KV and writes next
+    to nothing. The copy counts a write for every byte read, so it overstates how fast the cores can only read."""
     words = np.ones(256 * 2**20, np.int32)  # (256M,) 1 GiB: several times L3 (300 MiB on some Xeons)
     slices = np.array_split(words, attention_threads())
     with ThreadPoolExecutor(len(slices)) as pool:
         def read() -> None:
             list(pool.map(np.bitwise_or.reduce, slices))
         read()
-        gbps = words.nbytes / best_time(read, bench.repeat, bench.clock) / 1e9
+        return words.nbytes / best_time(read, bench.repeat, bench.clock) / 1e9
+
+
+def read_bandwidth(bench: Bench) -> None:
+    gbps = measure_read(bench)
     bench.baselines["read_gbps"] = gbps
-    bench.report(f"memory read bandwidth ({len(slices)} threads)", f"{gbps:8.1f} GB/s")
+    bench.report(f"memory read bandwidth ({attention_threads()} threads)", f"{gbps:8.1f} GB/s")
 
 
 def blas(bench: Bench) -> None:
@@ -126,8 +169,8 @@ def prefill_into(model: Model, cache: KVCache, tokens: np.ndarray) -> None:
 
 
 def prefill(bench: Bench) -> None:
-    """Prefill tok/s per prompt length against FLOPs / GEMM rate; peak RSS of the longest."""
-    model, peak = bench.model, bench.baselines["gemm_gflops"] * 1e9
+    """Prefill tok/s per prompt length against FLOPs / the GEMM rate around it; peak RSS of the longest."""
+    model = bench.model
     # Untimed: the first forward compiles the decode kernel (seconds on a host without numba's cache) and starts the
     # attention threads, which the engine does before health says SERVING. With --repeat 1 it would be timed.
     prefill_into(model, KVCache(model.config, 1024), np.zeros(1024, np.int64))
@@ -143,18 +186,20 @@ def prefill(bench: Bench) -> None:
             pool.free(cache)
 
         with rss_peak() as rss:
-            seconds = best_time(run, runs, bench.clock)
-        bound = peak / prefill_flops(model, T) * T  # tok/s at the GEMM rate
+            seconds, (gemm_rate,) = bracketed(lambda: best_time(run, runs, bench.clock), lambda: measure_gemm(bench))  # noqa: B023
+        bound = gemm_rate.rate * 1e9 / prefill_flops(model, T) * T  # tok/s at the GEMM rate
         bench.report(f"prefill {T:>5} tokens, chunk {CHUNK[0]} ({seconds:6.1f} s)", f"{T / seconds:8.0f} tok/s",
-                     f"bound {bound:6.0f} tok/s: {T / seconds / bound:.2f} x (goal >= 0.5 at 16k)")
+                     f"bound {bound:6.0f} tok/s: {T / seconds / bound:.2f} x (goal >= 0.5 at 16k); "
+                     + gemm_rate.note("GEMM", "GFLOP/s"))
         if T == max(fitting(model, POINTS["prefill"])):
             bench.report(f"peak RSS of the {T}-token prefill", f"{rss['peak'] / 2**20:8.0f} MiB",
                          f"{rss['before'] / 2**20:.0f} MiB before (model, earlier sections)")
 
 
 def decode(bench: Bench) -> None:
-    """Decode tok/s per batch x context against (weights + KV bytes) / copy bandwidth; peak RSS of the largest."""
-    model, bw = bench.model, bench.baselines["copy_gbps"] * 1e9
+    """Decode tok/s per batch x context against (weights + KV bytes) / the copy bandwidth around it, and / the read
+    bandwidth around it; peak RSS of the largest."""
+    model = bench.model
     weight_bytes = model.weights.decode_bytes
     bench.report("decode weight bytes per step", f"{weight_bytes / 1e6:8.1f} MB")
     contexts, batches = fitting(model, POINTS["contexts"], DECODE_STEPS * (bench.repeat + 1)), POINTS["batches"]
@@ -168,16 +213,18 @@ def decode(bench: Bench) -> None:
         for batch, arm, matmuls in ((b, a, g) for b in batches for a in ATTENTION for g in GEMM):
             largest = context == max(contexts) and batch == max(batches) and (arm, matmuls) == (ATTENTION[0], GEMM[0])
             with rss_peak() as rss:
-                seconds = decode_step_seconds(bench, batch, context, k, v, arm, matmul_of[matmuls])
+                seconds, (copy, read) = bracketed(lambda: decode_step_seconds(bench, batch, context, k, v, arm, matmul_of[matmuls]),  # noqa: B023
+                                                  lambda: measure_copy(bench), lambda: measure_read(bench))
             ran = gemm.describe(matmul_of[matmuls])  # numpy too when MKL does not load
             step_bytes = weight_bytes + batch * context * model.config.kv_bytes_per_token
-            bound = batch * bw / step_bytes  # tok/s if the step only streamed its bytes
-            roof = batch * bench.baselines["read_gbps"] * 1e9 / step_bytes  # tok/s if it only read them
+            bound = batch * copy.rate * 1e9 / step_bytes  # tok/s if the step only streamed its bytes
+            roof = batch * read.rate * 1e9 / step_bytes  # tok/s if it only read them
             label = matmuls if matmuls == ran else f"{matmuls}={ran}"
             bench.report(f"decode batch {batch:>2}, context {context:>5}, {arm}, {label} ({seconds * 1e3:6.1f} ms/step)",
                          f"{batch / seconds:8.0f} tok/s",
                          f"bound {bound:6.0f} tok/s: {batch / seconds / bound:.2f} x (goal >= 0.5 at batch 32); "
-                         f"read roof {roof:6.0f} tok/s: {batch / seconds / roof:.2f} x")
+                         f"read roof {roof:6.0f} tok/s: {batch / seconds / roof:.2f} x; "
+                         + copy.note("copy", "GB/s") + "; " + read.note("read", "GB/s"))
             if largest:
                 bench.report(f"peak RSS of batch {batch} x {context}", f"{rss['peak'] / 2**20:8.0f} MiB",
                              f"{rss['before'] / 2**20:.0f} MiB before; KV {batch * context * model.config.kv_bytes_per_token / 2**20:.0f} MiB")
