@@ -185,8 +185,8 @@ def prefill(bench: Bench) -> None:
             prefill_into(model, cache, tokens)
             pool.free(cache)
 
-        with rss_peak() as rss:
-            seconds, (gemm_rate,) = bracketed(lambda: best_time(run, runs, bench.clock), lambda: measure_gemm(bench))  # noqa: B023
+        rss: dict[str, int] = {}
+        seconds, (gemm_rate,) = bracketed(sampled(lambda: best_time(run, runs, bench.clock), rss), lambda: measure_gemm(bench))  # noqa: B023
         bound = gemm_rate.rate * 1e9 / prefill_flops(model, T) * T  # tok/s at the GEMM rate
         bench.report(f"prefill {T:>5} tokens, chunk {CHUNK[0]} ({seconds:6.1f} s)", f"{T / seconds:8.0f} tok/s",
                      f"bound {bound:6.0f} tok/s: {T / seconds / bound:.2f} x (goal >= 0.5 at 16k); "
@@ -212,9 +212,9 @@ def decode(bench: Bench) -> None:
         k, v = source.k[:, :context], source.v[:, :context]  # (n_layers, context, KV, hd) each
         for batch, arm, matmuls in ((b, a, g) for b in batches for a in ATTENTION for g in GEMM):
             largest = context == max(contexts) and batch == max(batches) and (arm, matmuls) == (ATTENTION[0], GEMM[0])
-            with rss_peak() as rss:
-                seconds, (copy, read) = bracketed(lambda: decode_step_seconds(bench, batch, context, k, v, arm, matmul_of[matmuls]),  # noqa: B023
-                                                  lambda: measure_copy(bench), lambda: measure_read(bench))
+            rss: dict[str, int] = {}
+            seconds, (copy, read) = bracketed(sampled(lambda: decode_step_seconds(bench, batch, context, k, v, arm, matmul_of[matmuls]), rss),  # noqa: B023
+                                              lambda: measure_copy(bench), lambda: measure_read(bench))
             ran = gemm.describe(matmul_of[matmuls])  # numpy too when MKL does not load
             step_bytes = weight_bytes + batch * context * model.config.kv_bytes_per_token
             bound = batch * copy.rate * 1e9 / step_bytes  # tok/s if the step only streamed its bytes
@@ -337,6 +337,16 @@ def rss_peak(interval_s: float = 0.01) -> Iterator[dict[str, int]]:
         done.set()
         sampler.join()
         out["peak"] = max(out["peak"], resident())
+
+
+def sampled(fn: Callable[[], R], rss: dict[str, int]) -> Callable[[], R]:
+    """`fn`, with the resident memory of its own run (not of the rates measured around it) put in `rss` (rss_peak)."""
+    def run() -> R:
+        with rss_peak() as peak:
+            result = fn()
+        rss.update(peak)
+        return result
+    return run
 
 
 def stability(bench: Bench) -> None:
