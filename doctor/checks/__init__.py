@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 from doctor.checks import (auth_401, backends, bypass, choices_parse, client_view, config_mismatch, engine_config,
                            engine_paths, healthy, internal_key, kv_transfer, lifecycle, local_proxy, long_prompt,
                            model_name, nixl_lease_wait, nixl_transport, oauth, p2pnccl, slowness, stalled, tool_calling,
-                           unexplained, upstream)
+                           unexplained, unknown_route, upstream)
 from doctor.findings import Context, Finding
 
 
@@ -26,6 +26,8 @@ class Check:
 REGISTRY: tuple[Check, ...] = (
     Check("client_view", "requests that never left the client; ANTHROPIC_* credential conflicts", client_view.check),
     Check("model", "404 model_not_found (Claude Code's claude-* names)", model_name.check),
+    Check("route", "404 for a path the router does not serve: a client base URL with /v1 twice or without it",
+          unknown_route.check),
     Check("internal_key", "engines that refuse the router's PD_INTERNAL_KEY (401/403 → 502 internal_key_rejected)",
           internal_key.check),
     Check("tool_calling", "vLLM engines started without tool calling: requests with tools refused (400)",

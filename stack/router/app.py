@@ -5,8 +5,8 @@ Middlewares, outermost first: request id (a fresh one per request; a client's X-
 exceptions into bodies: Anthropic's shape under /v1/messages, OpenAI's elsewhere) → guard (the
 unified key on every /v1 route; on POSTs the body, read within `server.body_timeout_ms` and checked
 against the JSON limits of stack.common.safe_json, before the request counts as in flight; per-key
-limits, usage and the `router.request_done` line around generation routes). `/health` and
-`/metrics` are open.
+limits, usage and the `router.request_done` line around generation routes). `/health`, `/metrics`
+and `/api/hello` (Claude Code's connection probe) are open.
 """
 
 from __future__ import annotations
@@ -163,6 +163,13 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", **request.app[PD].health_snapshot(), "limits_store": store, **extra})
 
 
+async def hello(_request: web.Request) -> web.Response:
+    """GET/HEAD /api/hello: open, as Anthropic's API has it. Claude Code probes it when it starts and before its
+    subagents (it warms its connection there); answered 404, each probe was a warning line and, for the doctor, a
+    request that failed for no known reason."""
+    return web.json_response({"status": "ok"})
+
+
 async def metrics(request: web.Request) -> web.Response:
     """GET /metrics: Prometheus text."""
     body, content_type = request.app[METRICS].render()
@@ -212,6 +219,7 @@ def create_app(config: RouterConfig, env: Mapping[str, str] | None = None) -> we
     app.router.add_post("/v1/responses", responses.responses)
     app.router.add_get("/v1/usage", usage)
     app.router.add_get("/health", health)
+    app.router.add_get("/api/hello", hello)
     app.router.add_get("/metrics", metrics)
     return app
 

@@ -267,6 +267,15 @@ def model_missing(log: Log, n: int, model: str = "claude-sonnet-4-5") -> str:
     return rid
 
 
+def unknown_route(log: Log, n: int, method: str, path: str) -> str:
+    """A client calls a path the router does not serve: aiohttp's 404 through the error middleware, then the access line."""
+    rid = request_id(n)
+    log.ev("router", events.HTTP_BAD_REQUEST, f"Not Found: {method} {path}", rid, status=404, type="not_found_error")
+    log.ev("router", events.HTTP_ACCESS, f"{method} {path} 404", rid, method=method, path=path, status=404, duration_ms=0.6)
+    log.tick(20)
+    return rid
+
+
 def direct(log: Log, n: int, service: str = "decode") -> str:
     """A client talks to an engine's published port: engine lines, no router line, no PD leg."""
     rid = f"direct-{n:04d}"
@@ -383,6 +392,9 @@ def write_bundles(folder: Path) -> Path:
     _with(lambda log: (request(log, 1), model_missing(log, 2), model_missing(log, 3, "claude-haiku-4-5")), "v2", folder,
           "model_claude.log")
     _with(lambda log: (request(log, 1), direct(log, 1), direct(log, 2)), "v2", folder, "engine_direct.log")
+    _with(lambda log: (request(log, 1), unknown_route(log, 2, "POST", "/v1/v1/messages"),
+                       unknown_route(log, 3, "POST", "/v1/v1/messages"), unknown_route(log, 4, "POST", "/chat/completions"),
+                       unknown_route(log, 5, "GET", "/v1/embeddings")), "v2ts", folder, "base_url.log")
     _with(lambda log: (request(log, 1), context_refused(log, 2)), "v2ts", folder, "max_model_len.log")
     _with(lambda log: (request(log, 1), mystery(log, 2)), "v2", folder, "unexplained.log")
 

@@ -32,6 +32,21 @@ def test_claude_model_name_gets_the_alias_fix(bundles):
     assert ids(findings) == {"model.not_found"}
 
 
+def test_a_base_url_with_v1_twice_or_without_it_is_named_with_its_fix(bundles):
+    """404s for /v1/v1/messages (ANTHROPIC_BASE_URL ending in /v1) and /chat/completions (OPENAI_BASE_URL without /v1)
+    are errors naming the variable to fix; a route the router lacks is a warning; none is left unexplained."""
+    findings, _ = diagnose(bundles / "base_url.log")
+    twice = by_id(findings, "route.base_url_v1_twice")
+    assert twice.severity == "error" and "POST /v1/v1/messages ×2" in twice.title and len(twice.request_ids) == 2
+    assert "ANTHROPIC_BASE_URL=http://<router>:8080 (no /v1)" in twice.fix
+    short = by_id(findings, "route.base_url_no_v1")
+    assert short.severity == "error" and "POST /chat/completions ×1" in short.title
+    assert "OPENAI_BASE_URL=http://<router>:8080/v1" in short.fix
+    other = by_id(findings, "route.not_found")
+    assert other.severity == "warning" and "GET /v1/embeddings ×1" in other.title and "/v1/messages" in other.cause
+    assert ids(findings) == {"route.base_url_v1_twice", "route.base_url_no_v1", "route.not_found"}
+
+
 def test_requests_straight_to_an_engine_are_a_bypass(bundles):
     """Engine lines without any router line and no PD leg → engine.bypassed_router, evidence from decode."""
     findings, _ = diagnose(bundles / "engine_direct.log")

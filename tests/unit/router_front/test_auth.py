@@ -114,6 +114,15 @@ async def test_models_and_usage_need_the_key_but_health_does_not(router) -> None
     assert (await router.get("/metrics")).status == 200
 
 
+async def test_claude_codes_connection_probe_is_answered_without_a_key_or_a_warning(router, logs) -> None:
+    """Claude Code sends HEAD /api/hello when it starts and before subagents: 200 as Anthropic's API answers it, never a
+    404 warning (which the doctor would count as a failed request)."""
+    assert (await router.head("/api/hello")).status == 200
+    response = await router.get("/api/hello")
+    assert response.status == 200 and await response.json() == {"status": "ok"}
+    assert not [e for e in log_events(logs) if e["level"] in ("WARNING", "ERROR")]
+
+
 async def test_keys_file_adds_named_keys_from_their_env_vars(make_router, tmp_path) -> None:
     """A keys-file entry names an env var; its key authenticates under the entry's name and limits."""
     (tmp_path / "keys.toml").write_text('[[keys]]\nname = "alice"\nenv = "ALICE_KEY"\nrpm = 7\n')
