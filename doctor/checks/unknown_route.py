@@ -4,8 +4,8 @@ A client builds each request's URL from its base URL: the OpenAI SDKs and Codex 
 their base URL must end in /v1), the Anthropic SDK and Claude Code append `/v1/messages` (so theirs must not).
 Get it wrong and every request of that client is a 404 for `/v1/v1/messages` or `/chat/completions`, which the
 router logs as aiohttp's own 404: `http.bad_request` status 404 with no code, message "Not Found: METHOD PATH",
-and the request's `http.access` line (method, path). A 404 the API answers itself carries a code
-(`model_not_found`: model_name.py).
+and the request's `http.access` line (method, path); Claude Code's probe of the same base URL asks for
+/v1/api/hello. A 404 the API answers itself carries a code (`model_not_found`: model_name.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from stack.common import events
 _NOT_FOUND = re.compile(r"^Not Found: (\S+) (\S+)")
 # What clients append to a base URL that should have ended in /v1.
 _API_TAILS = ("/chat/completions", "/completions", "/messages", "/messages/count_tokens", "/responses", "/models")
+# Claude Code's connection probe (/api/hello) under a base URL ending in /v1: the same mistake as /v1/v1/messages.
+_PROBE_UNDER_V1 = "/v1/api/hello"
 _SERVED = "/v1/chat/completions, /v1/completions, /v1/messages, /v1/responses, /v1/models"
 # Each kind of 404: (finding id, severity, "a path …", cause, fix).
 _KINDS = {
@@ -47,7 +49,7 @@ def check(ctx: Context) -> list[Finding]:
     for record in missing:
         route = _route(ctx, record)
         path = route.split(" ", 1)[1]
-        kind = "twice" if path.startswith("/v1/v1/") else "short" if path in _API_TAILS else "other"
+        kind = "twice" if path.startswith("/v1/v1/") or path == _PROBE_UNDER_V1 else "short" if path in _API_TAILS else "other"
         kinds.setdefault(kind, []).append((record, route))
     out = []
     for kind, (fid, severity, which, cause, fix) in _KINDS.items():

@@ -394,7 +394,8 @@ def write_bundles(folder: Path) -> Path:
     _with(lambda log: (request(log, 1), direct(log, 1), direct(log, 2)), "v2", folder, "engine_direct.log")
     _with(lambda log: (request(log, 1), unknown_route(log, 2, "POST", "/v1/v1/messages"),
                        unknown_route(log, 3, "POST", "/v1/v1/messages"), unknown_route(log, 4, "POST", "/chat/completions"),
-                       unknown_route(log, 5, "GET", "/v1/embeddings")), "v2ts", folder, "base_url.log")
+                       unknown_route(log, 5, "GET", "/v1/embeddings"), unknown_route(log, 6, "HEAD", "/v1/api/hello")),
+          "v2ts", folder, "base_url.log")
     _with(lambda log: (request(log, 1), context_refused(log, 2)), "v2ts", folder, "max_model_len.log")
     _with(lambda log: (request(log, 1), mystery(log, 2)), "v2", folder, "unexplained.log")
 

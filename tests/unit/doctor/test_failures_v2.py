@@ -33,11 +33,13 @@ def test_claude_model_name_gets_the_alias_fix(bundles):
 
 
 def test_a_base_url_with_v1_twice_or_without_it_is_named_with_its_fix(bundles):
-    """404s for /v1/v1/messages (ANTHROPIC_BASE_URL ending in /v1) and /chat/completions (OPENAI_BASE_URL without /v1)
-    are errors naming the variable to fix; a route the router lacks is a warning; none is left unexplained."""
+    """404s for /v1/v1/messages and /v1/api/hello (ANTHROPIC_BASE_URL ending in /v1) and /chat/completions
+    (OPENAI_BASE_URL without /v1) are errors naming the variable to fix; a route the router lacks is a warning; none is
+    left unexplained."""
     findings, _ = diagnose(bundles / "base_url.log")
     twice = by_id(findings, "route.base_url_v1_twice")
-    assert twice.severity == "error" and "POST /v1/v1/messages ×2" in twice.title and len(twice.request_ids) == 2
+    assert twice.severity == "error" and "POST /v1/v1/messages ×2" in twice.title and len(twice.request_ids) == 3
+    assert "HEAD /v1/api/hello ×1" in twice.title  # Claude Code's probe under the same base URL
     assert "ANTHROPIC_BASE_URL=http://<router>:8080 (no /v1)" in twice.fix
     short = by_id(findings, "route.base_url_no_v1")
     assert short.severity == "error" and "POST /chat/completions ×1" in short.title
