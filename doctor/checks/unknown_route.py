@@ -3,9 +3,8 @@
 A client builds each request's URL from its base URL: the OpenAI SDKs and Codex append `/chat/completions` (so
 their base URL must end in /v1), the Anthropic SDK and Claude Code append `/v1/messages` (so theirs must not).
 Get it wrong and every request of that client is a 404 for `/v1/v1/messages` or `/chat/completions`, which the
-router logs as aiohttp's own 404: `http.bad_request` status 404 with no code, message "Not Found: METHOD PATH",
-and the request's `http.access` line (method, path); Claude Code's probe of the same base URL asks for
-/v1/api/hello. A 404 the API answers itself carries a code (`model_not_found`: model_name.py).
+router logs as aiohttp's own 404: `http.bad_request` status 404 with no code and the message "Not Found: METHOD
+PATH" (the error middleware's). Claude Code's probe of the same base URL asks for /v1/api/hello. A 404 the API answers itself carries a code (`model_not_found`: model_name.py).
 """
 
 from __future__ import annotations
@@ -43,12 +42,12 @@ _KINDS = {
 
 
 def check(ctx: Context) -> list[Finding]:
-    missing = [r for r in ctx.by_event(events.HTTP_BAD_REQUEST) if r.service == "router" and r[events.STATUS] == 404
-               and not r[events.CODE] and _NOT_FOUND.match(r.msg)]
     kinds: dict[str, list[tuple[Record, str]]] = {}
-    for record in missing:
-        route = _route(ctx, record)
-        path = route.split(" ", 1)[1]
+    for record in ctx.by_event(events.HTTP_BAD_REQUEST):
+        match = _NOT_FOUND.match(record.msg)
+        if record.service != "router" or record[events.STATUS] != 404 or record[events.CODE] or match is None:
+            continue
+        route, path = f"{match.group(1)} {match.group(2)}", match.group(2)
         kind = "twice" if path.startswith("/v1/v1/") or path == _PROBE_UNDER_V1 else "short" if path in _API_TAILS else "other"
         kinds.setdefault(kind, []).append((record, route))
     out = []
@@ -61,12 +60,3 @@ def check(ctx: Context) -> list[Finding]:
                                [r for r, _ in hits[:3]], [r.request_id for r, _ in hits]))
     return out
 
-
-def _route(ctx: Context, record: Record) -> str:
-    """"METHOD PATH" of a 404: the request's access line, else the 404's own message."""
-    timeline = ctx.timelines.get(record.request_id)
-    access = timeline.first(events.HTTP_ACCESS) if timeline else None
-    if access is not None and access[events.PATH]:
-        return f"{access[events.METHOD]} {access[events.PATH]}"
-    match = _NOT_FOUND.match(record.msg)
-    return f"{match.group(1)} {match.group(2)}" if match else "? ?"
