@@ -4,7 +4,8 @@ A client builds each request's URL from its base URL: the OpenAI SDKs and Codex 
 their base URL must end in /v1), the Anthropic SDK and Claude Code append `/v1/messages` (so theirs must not).
 Get it wrong and every request of that client is a 404 for `/v1/v1/messages` or `/chat/completions`, which the
 router logs as aiohttp's own 404: `http.bad_request` status 404 with no code and the message "Not Found: METHOD
-PATH" (the error middleware's). Claude Code's probe of the same base URL asks for /v1/api/hello. A 404 the API answers itself carries a code (`model_not_found`: model_name.py).
+PATH" (the error middleware's). Claude Code's probe of the same base URL asks for /v1/api/hello. A 404 the API
+answers itself carries a code (`model_not_found`: model_name.py).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def check(ctx: Context) -> list[Finding]:
         if record.service != "router" or record[events.STATUS] != 404 or record[events.CODE] or match is None:
             continue
         route, path = f"{match.group(1)} {match.group(2)}", match.group(2)
-        kind = "twice" if path.startswith("/v1/v1/") or path == _PROBE_UNDER_V1 else "short" if path in _API_TAILS else "other"
+        twice = path.startswith("/v1/v1/") or path == _PROBE_UNDER_V1
+        kind = "twice" if twice else "short" if path in _API_TAILS else "other"
         kinds.setdefault(kind, []).append((record, route))
     out = []
     for kind, (fid, severity, which, cause, fix) in _KINDS.items():
