@@ -9,7 +9,7 @@ an n x n matrix. One tile and one run give exactly the plain softmax.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -27,14 +27,17 @@ THIN_KEY_BLOCK = 16384
 
 Runs = list[tuple[np.ndarray, np.ndarray, int]]  # (K (S_i, KV, hd), V (S_i, KV, hd), first position) per run
 State = tuple[np.ndarray, np.ndarray, np.ndarray]  # row max (..., 1), row sum (..., 1), unnormalised output (..., hd)
+# kernels.exp_rows: scores (rows, n) -> exp(scores - shift[:, None]) in place, their row sums into sums (rows,)
+ExpRows = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 
 
-def attention(q: np.ndarray, runs: Runs, start_pos: int) -> np.ndarray:
+def attention(q: np.ndarray, runs: Runs, start_pos: int, exp_rows: ExpRows | None = None) -> np.ndarray:
     """Causal attention of T queries at positions [start_pos, start_pos + T) over the keys of `runs`,
     which cover positions [0, start_pos + T). (T, H, hd), runs -> (T, H, hd)
 
     Query head h uses KV head h // (H // KV) (HF repeat_kv): the G = H // KV queries of a group are
     stacked so each KV head needs one matmul per tile against only the keys the queries can see.
+    `exp_rows`: the compiled exp of a query block's tiles (kernels.exp_rows; None: numpy's, the reference).
     """
     T, H, hd = q.shape
     G = H // runs[0][0].shape[1]
@@ -44,11 +47,11 @@ def attention(q: np.ndarray, runs: Runs, start_pos: int) -> np.ndarray:
     out = np.empty((T, H, hd), np.float32)  # (T, H, hd)
     for a in range(0, T, QUERY_BLOCK):
         b = min(T, a + QUERY_BLOCK)
-        out[a:b] = attend_block(q[a:b], runs, start_pos + a, G)
+        out[a:b] = attend_block(q[a:b], runs, start_pos + a, G, exp_rows)
     return out
 
 
-def attend_block(q: np.ndarray, runs: Runs, first: int, G: int) -> np.ndarray:
+def attend_block(q: np.ndarray, runs: Runs, first: int, G: int, exp_rows: ExpRows | None = None) -> np.ndarray:
     """Scaled queries at positions [first, first + c), one KV head (G query heads) at a time, tile by tile.
     (c, H, hd), runs -> (c, H, hd)"""
     c, H, hd = q.shape
@@ -62,7 +65,7 @@ def attend_block(q: np.ndarray, runs: Runs, first: int, G: int) -> np.ndarray:
             scores = qh @ k[:, h].T  # (c*G, n)
             if mask is not None:
                 scores.reshape(c, G, -1)[...] += mask
-            state = online_softmax(state, scores, v[:, h])
+            state = online_softmax(state, scores, v[:, h], exp_rows)
         out[:, group] = finish(state).reshape(c, G, hd)
     return out
 
@@ -101,22 +104,30 @@ def causal_mask(first: int, T: int, pos: int, n: int) -> np.ndarray | None:
     return np.where(later, np.float32(-np.inf), np.float32(0))[:, None, :]
 
 
-def online_softmax(state: State | None, scores: np.ndarray, v: np.ndarray) -> State:
+def online_softmax(state: State | None, scores: np.ndarray, v: np.ndarray, exp_rows: ExpRows | None = None) -> State:
     """Fold one tile into the running softmax; `scores` (..., rows, n) is overwritten. v: (..., n, hd).
 
     The first tile of every row holds key 0, which every query sees: row maxima are finite from the start.
     """
     tile_max = scores.max(axis=-1, keepdims=True)  # (..., rows, 1)
+    new_max = tile_max if state is None else np.maximum(state[0], tile_max)  # (..., rows, 1)
+    sums = exp_shifted(scores, new_max, exp_rows)  # (..., rows, 1)
     if state is None:
-        scores -= tile_max
-        np.exp(scores, out=scores)
-        return tile_max, scores.sum(axis=-1, keepdims=True), scores @ v
-    row_max, sums, acc = state
-    new_max = np.maximum(row_max, tile_max)  # (..., rows, 1)
-    scores -= new_max
-    np.exp(scores, out=scores)
+        return new_max, sums, scores @ v
+    row_max, old_sums, acc = state
     rescale = np.exp(row_max - new_max)  # (..., rows, 1) how much the earlier tiles shrink
-    return new_max, sums * rescale + scores.sum(axis=-1, keepdims=True), acc * rescale + scores @ v
+    return new_max, old_sums * rescale + sums, acc * rescale + scores @ v
+
+
+def exp_shifted(scores: np.ndarray, shift: np.ndarray, exp_rows: ExpRows | None) -> np.ndarray:
+    """scores (..., rows, n) -> exp(scores - shift) in place; answers their sums (..., rows, 1). shift (..., rows, 1)."""
+    if exp_rows is None or scores.ndim != 2:
+        scores -= shift
+        np.exp(scores, out=scores)
+        return scores.sum(axis=-1, keepdims=True)
+    sums = np.empty(shift.shape, np.float32)  # (rows, 1)
+    exp_rows(scores, shift.reshape(-1), sums.reshape(-1))
+    return sums
 
 
 def finish(state: State | None) -> np.ndarray:

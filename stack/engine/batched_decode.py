@@ -4,9 +4,10 @@ A step's thin segments (T * G < THIN_QUERIES: every decode token, and a short pr
 pool, at least MIN_SEGMENTS of them, form one `DecodeBatch`: their rows of the step's queries, block tables and start positions as arrays,
 built once per step (the tables are the same in every layer). `attend` runs the kernel over a batch for one
 layer; the kernel spreads its (segment, KV head) tasks over `threads` cores itself, replacing forward's
-thread-pool split for those segments. Longer segments (prefill chunks) keep attention.py's numpy path.
+thread-pool split for those segments. Longer segments (prefill chunks) keep attention.py's numpy path, with
+the exponentials of each score tile compiled (kernels.exp_rows, which forward hands to attention.py).
 
-`kernel()` compiles the kernel (or loads it from numba's cache) the first time it is asked, which the
+`compiled()` compiles the kernels (or loads them from numba's cache) the first time it is asked, which the
 engine's warm-up does before health says SERVING, and logs once which attention the process runs:
 without numba it logs a warning and answers None, and the engine stays on numpy.
 """
@@ -15,10 +16,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import get_args
+from typing import TYPE_CHECKING, get_args
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from stack.common.logging import log_event
 from stack.engine import attention as attn_kernels
 from stack.engine.config import Attention
 from stack.engine.kv_cache import KVCache, KVPool
+
+if TYPE_CHECKING:  # kernels imports numba, which only compiled() may import
+    from stack.engine.kernels import Compiled
 
 ATTENTION = get_args(Attention)  # the kernel (default) | attention.py, the reference (engine config `attention`)
 # numba's workqueue threading layer is in every numba wheel (omp needs the system's libgomp, tbb a wheel of its
@@ -81,20 +84,20 @@ def attend(batch: DecodeBatch, layer: int, q: np.ndarray, out: np.ndarray, threa
     cores. q, out: (N, H, hd), unscaled queries (scaled here as attention.attention scales them)."""
     import numba
 
-    kernel = compiled()
-    assert kernel is not None, "attend needs the compiled kernel: check compiled() first"
+    kernels = compiled()
+    assert kernels is not None, "attend needs the compiled kernel: check compiled() first"
     hd = q.shape[-1]
     scaled = q[batch.rows] * np.float32(hd**-0.5)  # (R, H, hd) a contiguous copy
     result = np.empty_like(scaled)  # (R, H, hd)
     with _LAUNCH:
         numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))  # per calling thread
-        kernel(scaled, batch.pool.k[layer], batch.pool.v[layer], batch.tables, batch.starts, batch.offsets, result)
+        kernels.decode(scaled, batch.pool.k[layer], batch.pool.v[layer], batch.tables, batch.starts, batch.offsets, result)
     out[batch.rows] = result
 
 
 @lru_cache(maxsize=1)
-def compiled() -> Callable[..., None] | None:
-    """The compiled kernel (compiled, or loaded from numba's cache, on the first call; logged once), or None when
+def compiled() -> Compiled | None:
+    """The compiled kernels (compiled, or loaded from numba's cache, on the first call; logged once), or None when
     numba cannot be imported (logged once as a warning: the engine runs attention.py)."""
     try:
         import numba
@@ -107,10 +110,10 @@ def compiled() -> Callable[..., None] | None:
     if "NUMBA_THREADING_LAYER" not in os.environ:  # an operator's choice wins
         numba.config.THREADING_LAYER = THREADING_LAYER
     try:
-        kernel, seconds, cached = kernels.compile_kernel(cache=True)
+        done = kernels.compile_kernel(cache=True)
     except RuntimeError:  # no writable cache directory (a read-only root filesystem): compile in memory
-        kernel, seconds, cached = kernels.compile_kernel(cache=False)
-    how = "loaded from numba's cache" if cached else "compiled"
-    log_event(events.ENGINE_ATTENTION, f"decode attention: the numba kernel, {how} in {seconds * 1000:.0f} ms",
-              attention="numba", kernel_ms=round(seconds * 1000, 1), kernel_cached=cached)
-    return kernel
+        done = kernels.compile_kernel(cache=False)
+    how = "loaded from numba's cache" if done.cached else "compiled"
+    log_event(events.ENGINE_ATTENTION, f"decode attention: the numba kernel, {how} in {done.seconds * 1000:.0f} ms",
+              attention="numba", kernel_ms=round(done.seconds * 1000, 1), kernel_cached=done.cached)
+    return done

@@ -1,4 +1,5 @@
-"""The compiled decode attention (numba): every thin segment of a step against its paged KV, one call per layer.
+"""The compiled attention kernels (numba): every thin segment of a step against its paged KV, one call per layer
+(`paged_decode`), and the exponentials of a prefill tile's softmax (`exp_rows`).
 
 numba is a long-kept JIT on PyPI (a NumFOCUS project, led by Anaconda): it compiles this plain-loop Python to
 machine code with LLVM (its llvmlite wheel carries LLVM), with no C toolchain in the image. Why compiled: a
@@ -6,7 +7,8 @@ decode step's attention is some twenty small numpy calls per sequence and layer;
 not memory, bounds the step. One call here walks every sequence's block table where the blocks lie in the
 pool, a `prange` over the segments spread over the cores; each key and value is read once for the G query
 heads of its group (and the T queries of a short segment), and the loops over head_dim are plain float32 loops
-LLVM vectorises.
+LLVM vectorises. A prefill's attention stays numpy's GEMMs over key tiles (attention.py); only each tile's
+exp-and-sum comes here, one walk of the tile instead of numpy's four passes.
 
 This module imports numba and nothing of the engine: the image compiles it into NUMBA_CACHE_DIR on its own
 (Dockerfile), and batched_decode.py imports it only when the kernel is wanted. attention.py (numpy) stays
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -33,6 +36,10 @@ SIGNATURE = ("void(float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, :
 # fastmath: the dot products and sums may be reassociated (vectorised); nothing here is inf or nan.
 # nogil: the event loop and the KV socket keep running while a step attends.
 OPTIONS = {"parallel": True, "fastmath": True, "nogil": True}
+# exp_rows: scores (rows, n), shift (rows,), sums (rows,). Not parallel: forward's attention threads each call it on
+# their own tiles, and with nogil they run at once.
+EXP_SIGNATURE = "void(float32[:, ::1], float32[::1], float32[::1])"
+EXP_OPTIONS = {"fastmath": True, "nogil": True}
 # How far ahead of the block being read the kernel asks for the same slot of a later block. With the KV of a whole
 # step in memory rather than in the L3, each of the two passes below read at ~10 GB/s of an 18 GB/s read roof: the
 # loop's work and its misses took turns. Prefetching 2 blocks ahead, a layer of batch-32 decode took 0.73-0.83x the
@@ -74,19 +81,18 @@ def prefetch_slot(pool: np.ndarray, block: int, slot: int) -> None:  # pragma: n
 
 
 @numba.njit(fastmath=True, inline="always")
-def softmax_weights(row: np.ndarray, bits: np.ndarray) -> float:  # pragma: no cover - compiled
-    """row (n,) scores -> exp(row - max(row)) in place; answers 1 / their sum. bits (n,) int32 scratch.
+def exp_shifted(row: np.ndarray, top: float, bits: np.ndarray) -> float:  # pragma: no cover - compiled
+    """row (n,) scores -> exp(row - top) in place, `top` at least every score; answers their sum (float64: a 64k-key
+    sum keeps its digits). bits (n,) int32 scratch.
 
     exp as Cephes' expf computes it (x = n ln2 + f, a degree-7 polynomial in f, times 2^n built in the exponent
     bits): numba's np.exp is one libm call per element (the wheel has no vector math library), which was a sixth
-    of the kernel's time; these loops vectorise. Relative error ~1.2e-7 over [-87, 0] (a float32 ulp), beside the
-    rounding of row - max itself: far inside the tests' 1e-4 on logprobs."""
+    of the decode kernel's time; these loops vectorise. Relative error ~1.2e-7 over [-87, 0] (a float32 ulp), beside
+    the rounding of row - top itself: far inside the tests' 1e-4 on logprobs. A score 87 or more below `top` (a
+    masked -inf among them) weighs ~1.6e-38, the smallest normal float32's order, instead of 0."""
     n = row.shape[0]
-    top = row[0]
-    for p in range(1, n):
-        top = max(top, row[p])
     for p in range(n):
-        x = max(row[p] - top, np.float32(-87.0))  # exp(-87) ~ 1.6e-38, the smallest normal float32's order
+        x = max(row[p] - top, np.float32(-87.0))
         k = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))  # round(x / ln2)
         f = x - k * np.float32(0.693359375) + k * np.float32(2.12194440e-4)  # x - k ln2 in two parts, |f| <= ln2/2
         y = np.float32(1.9875691500e-4)
@@ -98,11 +104,32 @@ def softmax_weights(row: np.ndarray, bits: np.ndarray) -> float:  # pragma: no c
         row[p] = y * f * f + f + np.float32(1.0)
         bits[p] = (np.int32(k) + np.int32(127)) << np.int32(23)  # 2^k as float32 bits
     powers = bits[:n].view(np.float32)
-    total = 0.0  # float64: a 64k-key sum keeps its digits
+    total = 0.0
     for p in range(n):
         row[p] *= powers[p]
         total += row[p]
-    return 1.0 / total
+    return total
+
+
+@numba.njit(fastmath=True, inline="always")
+def softmax_weights(row: np.ndarray, bits: np.ndarray) -> float:  # pragma: no cover - compiled
+    """row (n,) scores -> exp(row - max(row)) in place; answers 1 / their sum. bits (n,) int32 scratch."""
+    top = row[0]
+    for p in range(1, row.shape[0]):
+        top = max(top, row[p])
+    return 1.0 / exp_shifted(row, top, bits)
+
+
+def exp_rows(scores: np.ndarray, shift: np.ndarray, sums: np.ndarray) -> None:  # pragma: no cover - compiled
+    """A prefill tile's softmax numerator: scores (rows, n) -> exp(scores - shift[:, None]) in place, sums (rows,)
+    their row sums; shift (rows,) the rows' running maxima (attention.online_softmax).
+
+    numpy spends four passes over the tile on this (subtract, exp, sum, and a temporary of each); here it is one
+    walk of each row, which stays in the L1. The row maxima stay numpy's: its reduction is vectorised and numba's
+    `max` loop is not (measured 75 against 650 us for a 256 x 2048 tile)."""
+    bits = np.empty(scores.shape[1], np.int32)  # (n,) exp_shifted's scratch
+    for r in range(scores.shape[0]):
+        sums[r] = exp_shifted(scores[r], shift[r], bits)
 
 
 def paged_decode(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, tables: np.ndarray, starts: np.ndarray,
@@ -165,10 +192,22 @@ def paged_decode(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, tables: 
                     out[first + t, h * G + g, d] = acc[h, r, d] * scale[h, r]
 
 
-def compile_kernel(cache: bool = True) -> tuple[Callable[..., None], float, bool]:
-    """(the compiled `paged_decode`, seconds it took, loaded from the on-disk cache). With `cache`, numba keeps the
-    machine code in NUMBA_CACHE_DIR (else __pycache__ beside this file); raises RuntimeError if no such directory is
-    writable (a read-only root filesystem): compile again with cache=False."""
+@dataclass(frozen=True)
+class Compiled:
+    """The compiled kernels: `decode` (paged_decode) and `exp_rows`; what compiling them took."""
+
+    decode: Callable[..., None]
+    exp_rows: Callable[..., None]
+    seconds: float
+    cached: bool  # loaded from numba's on-disk cache
+
+
+def compile_kernel(cache: bool = True) -> Compiled:
+    """Compile `paged_decode` and `exp_rows`. With `cache`, numba keeps the machine code in NUMBA_CACHE_DIR (else
+    __pycache__ beside this file); raises RuntimeError if no such directory is writable (a read-only root
+    filesystem): compile again with cache=False."""
     started = time.perf_counter()
-    kernel = numba.njit(SIGNATURE, cache=cache, **OPTIONS)(paged_decode)
-    return kernel, time.perf_counter() - started, sum(kernel.stats.cache_hits.values()) > 0
+    decode = numba.njit(SIGNATURE, cache=cache, **OPTIONS)(paged_decode)
+    tile = numba.njit(EXP_SIGNATURE, cache=cache, **EXP_OPTIONS)(exp_rows)
+    cached = all(sum(kernel.stats.cache_hits.values()) > 0 for kernel in (decode, tile))
+    return Compiled(decode, tile, time.perf_counter() - started, cached)

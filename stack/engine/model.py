@@ -78,8 +78,9 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
     """Run one step. Writes each segment's K/V into its cache and advances `cache.length`.
 
     `on_layer(i)` is called once layer i's K/V of every segment are written (a PD prefill streams them).
-    `attention`: "numba" attends the thin (decode) segments with the compiled kernel when numba imports,
-    "numpy" runs every segment through attention.py (the reference).
+    `attention`: "numba" attends the thin (decode) segments with the compiled kernel when numba imports, and gives
+    the other segments' score tiles its compiled exp; "numpy" runs every segment through attention.py alone (the
+    reference).
 
     Returns (len(segments), vocab) logits of each segment's last token, or with `all_logits` a list
     of (T, vocab) arrays, one per segment. Raises `TokenRangeError` for ids outside the vocabulary.
@@ -104,9 +105,10 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
     rotation = rope_rotation(cfg, positions)  # (N, 1, hd/2) complex64
     N = len(tokens)
     assert attention in batched_decode.ATTENTION, f"attention is one of {batched_decode.ATTENTION}, got {attention!r}"
-    use_kernel = attention == "numba" and batched_decode.compiled() is not None
+    kernels = batched_decode.compiled() if attention == "numba" else None
     batches = batched_decode.decode_batches([s.cache for s in segments], [s.start_pos for s in segments], lengths,
-                                            H // KV) if use_kernel else []
+                                            H // KV) if kernels is not None else []
+    exp_rows = kernels.exp_rows if kernels is not None else None  # prefill tiles' softmax exp
     kernel_segments = {j for batch in batches for j in batch.segments}
     tasks = [task for task in attention_tasks(segments, lengths, H // KV) if task[0] not in kernel_segments]  # numpy's work
     runs = [s.cache.runs(s.start_pos + T) for s, T in zip(segments, lengths)]  # block runs, the same in every layer
@@ -128,7 +130,8 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
                 j, lo, hi = tasks[t]
                 s, first = segments[j], segments[j].start_pos + lo
                 rows = slice(offsets[j] + lo, offsets[j] + hi)
-                attn[rows] = attn_kernels.attention(q[rows], s.cache.views(layer_index, s.start_pos + hi, 0, runs[j]), first)
+                attn[rows] = attn_kernels.attention(q[rows], s.cache.views(layer_index, s.start_pos + hi, 0, runs[j]), first,
+                                                    exp_rows)
 
         for batch in batches:  # the kernel spreads its own tasks over the cores
             batched_decode.attend(batch, layer_index, q, attn, attention_threads())

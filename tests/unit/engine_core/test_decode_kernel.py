@@ -114,13 +114,13 @@ def test_a_short_prompt_tail_is_causal_in_the_kernel(tiny_model: Model, tiny_ten
 
 def test_decode_segments_skip_the_numpy_path(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the kernel on, a step of decodes beside a prefill chunk calls attention.py only for the chunk's query
-    blocks; with attention="numpy" for every segment."""
-    calls: list[int] = []
+    blocks, handing it the compiled exp of its score tiles; with attention="numpy" for every segment, numpy alone."""
+    calls: list[tuple[int, bool]] = []  # (queries, compiled exp given)
     reference = attention_module.attention
 
-    def counting(q, runs, start_pos):  # type: ignore[no-untyped-def]
-        calls.append(len(q))
-        return reference(q, runs, start_pos)
+    def counting(q, runs, start_pos, exp_rows=None):  # type: ignore[no-untyped-def]
+        calls.append((len(q), exp_rows is not None))
+        return reference(q, runs, start_pos, exp_rows)
 
     monkeypatch.setattr(attention_module, "attention", counting)
     pool = KVPool(TINY, 4096 * TINY.kv_bytes_per_token, BS)
@@ -132,13 +132,13 @@ def test_decode_segments_skip_the_numpy_path(tiny_model: Model, monkeypatch: pyt
     step.append(Segment(np.arange(100) % 256, chunk_cache, 0))  # type: ignore[arg-type]
     calls.clear()
     forward(tiny_model, step, attention="numba")
-    assert calls == [100] * TINY.n_layers  # the chunk only: one query block per layer
+    assert calls == [(100, True)] * TINY.n_layers  # the chunk only: one query block per layer
     for cache in decodes:
         cache.length = 10  # type: ignore[union-attr]
     chunk_cache.length = 0  # type: ignore[union-attr]
     calls.clear()
     forward(tiny_model, step, attention="numpy")
-    assert sorted(calls) == sorted([1, 1, 1, 100] * TINY.n_layers)
+    assert sorted(calls) == sorted([(1, False)] * 3 * TINY.n_layers + [(100, False)] * TINY.n_layers)
 
 
 def test_without_numba_the_engine_runs_numpy_and_says_so_once(tiny_model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -199,3 +199,38 @@ def test_the_kernels_softmax_matches_numpys_over_the_whole_float32_range() -> No
     np.testing.assert_allclose(row[expected > 0.5], expected[expected > 0.5], rtol=1e-7)
     assert np.abs(row[~weighty] - expected[~weighty]).max() < 1e-35
     assert inverse == pytest.approx(1 / expected.sum(), rel=1e-6)
+
+
+def test_the_compiled_tile_exp_matches_numpys() -> None:
+    """kernels.exp_rows, a prefill tile's exp and row sums: against numpy in float64 for scores across float32's range,
+    shifted by a running maximum above the row's own (a later tile) and with masked -inf keys, which weigh less than
+    1e-35 (exp(-87), not 0)."""
+    kernels = batched_decode.compiled()
+    assert kernels is not None
+    rng = np.random.default_rng(7)
+    scores = (rng.standard_normal((37, 301)) * 40).astype(np.float32)  # (rows, n): some rows span > 87 below the max
+    scores[5, 200:] = -np.inf  # a diagonal tile's masked keys
+    shift = (scores.max(axis=-1) + rng.uniform(0, 3, 37)).astype(np.float32)  # (rows,) a running max at or above
+    got, sums = scores.copy(), np.empty(37, np.float32)
+    kernels.exp_rows(got, shift, sums)
+    expected = np.exp(scores.astype(np.float64) - shift[:, None])
+    weighty = expected > 1e-30
+    np.testing.assert_allclose(got[weighty], expected[weighty], rtol=1e-5)
+    assert np.abs(got[~weighty] - expected[~weighty]).max() < 1e-35
+    np.testing.assert_allclose(sums, expected.sum(axis=-1), rtol=1e-5)
+
+
+def test_a_long_prompt_through_the_compiled_exp_matches_the_reference(tiny_model: Model, tiny_tensors: dict,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt cut into many query blocks and key tiles (the causal diagonal in some, the online softmax across
+    them), attended with the compiled tile exp: the reference's logits at every position."""
+    monkeypatch.setattr(attention_module, "QUERY_BLOCK", 16)
+    monkeypatch.setattr(attention_module, "KEY_BLOCK", 32)
+    monkeypatch.setattr(attention_module, "THIN_QUERIES", 8)
+    used: list[bool] = []
+    fold = attention_module.exp_shifted
+    monkeypatch.setattr(attention_module, "exp_shifted", lambda s, shift, exp_rows: used.append(exp_rows is not None) or fold(s, shift, exp_rows))
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 256, 120)]
+    logits = forward(tiny_model, [Segment(np.array(prompt), KVCache(TINY, 120), 0)], all_logits=True, attention="numba")[0]
+    assert used and all(used)
+    assert_matches_reference(logits, naive_logits(TINY, tiny_tensors, prompt))
