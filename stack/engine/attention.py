@@ -10,6 +10,7 @@ an n x n matrix. One tile and one run give exactly the plain softmax.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,13 +32,25 @@ State = tuple[np.ndarray, np.ndarray, np.ndarray]  # row max (..., 1), row sum (
 ExpRows = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 
 
-def attention(q: np.ndarray, runs: Runs, start_pos: int, exp_rows: ExpRows | None = None) -> np.ndarray:
+@dataclass(frozen=True)
+class TileOps:
+    """What a query block's score tiles are computed with: numpy alone (NUMPY, the reference), or forward's faster
+    parts: MKL's GEMM for the tiles when the weights run on it (gemm.tile_matmul), the compiled exp (kernels.exp_rows)."""
+
+    matmul: Callable[[np.ndarray, np.ndarray], np.ndarray] = np.matmul  # (rows, k) @ (k, n), b a strided pool view
+    exp_rows: ExpRows | None = None
+
+
+NUMPY = TileOps()
+
+
+def attention(q: np.ndarray, runs: Runs, start_pos: int, ops: TileOps = NUMPY) -> np.ndarray:
     """Causal attention of T queries at positions [start_pos, start_pos + T) over the keys of `runs`,
     which cover positions [0, start_pos + T). (T, H, hd), runs -> (T, H, hd)
 
     Query head h uses KV head h // (H // KV) (HF repeat_kv): the G = H // KV queries of a group are
     stacked so each KV head needs one matmul per tile against only the keys the queries can see.
-    `exp_rows`: the compiled exp of a query block's tiles (kernels.exp_rows; None: numpy's, the reference).
+    `ops`: what the query blocks' tiles are computed with (TileOps; decode-sized work is numpy's).
     """
     T, H, hd = q.shape
     G = H // runs[0][0].shape[1]
@@ -47,11 +60,11 @@ def attention(q: np.ndarray, runs: Runs, start_pos: int, exp_rows: ExpRows | Non
     out = np.empty((T, H, hd), np.float32)  # (T, H, hd)
     for a in range(0, T, QUERY_BLOCK):
         b = min(T, a + QUERY_BLOCK)
-        out[a:b] = attend_block(q[a:b], runs, start_pos + a, G, exp_rows)
+        out[a:b] = attend_block(q[a:b], runs, start_pos + a, G, ops)
     return out
 
 
-def attend_block(q: np.ndarray, runs: Runs, first: int, G: int, exp_rows: ExpRows | None = None) -> np.ndarray:
+def attend_block(q: np.ndarray, runs: Runs, first: int, G: int, ops: TileOps = NUMPY) -> np.ndarray:
     """Scaled queries at positions [first, first + c), one KV head (G query heads) at a time, tile by tile.
     (c, H, hd), runs -> (c, H, hd)"""
     c, H, hd = q.shape
@@ -62,10 +75,10 @@ def attend_block(q: np.ndarray, runs: Runs, first: int, G: int, exp_rows: ExpRow
         qh = q[:, group].reshape(c * G, hd)  # (c*G, hd), row = (query, group member)
         state = None
         for k, v, mask in tiles:
-            scores = qh @ k[:, h].T  # (c*G, n)
+            scores = ops.matmul(qh, k[:, h].T)  # (c*G, n)
             if mask is not None:
                 scores.reshape(c, G, -1)[...] += mask
-            state = online_softmax(state, scores, v[:, h], exp_rows)
+            state = online_softmax(state, scores, v[:, h], ops)
         out[:, group] = finish(state).reshape(c, G, hd)
     return out
 
@@ -104,19 +117,19 @@ def causal_mask(first: int, T: int, pos: int, n: int) -> np.ndarray | None:
     return np.where(later, np.float32(-np.inf), np.float32(0))[:, None, :]
 
 
-def online_softmax(state: State | None, scores: np.ndarray, v: np.ndarray, exp_rows: ExpRows | None = None) -> State:
+def online_softmax(state: State | None, scores: np.ndarray, v: np.ndarray, ops: TileOps = NUMPY) -> State:
     """Fold one tile into the running softmax; `scores` (..., rows, n) is overwritten. v: (..., n, hd).
 
     The first tile of every row holds key 0, which every query sees: row maxima are finite from the start.
     """
     tile_max = scores.max(axis=-1, keepdims=True)  # (..., rows, 1)
     new_max = tile_max if state is None else np.maximum(state[0], tile_max)  # (..., rows, 1)
-    sums = exp_shifted(scores, new_max, exp_rows)  # (..., rows, 1)
+    sums = exp_shifted(scores, new_max, ops.exp_rows)  # (..., rows, 1)
     if state is None:
-        return new_max, sums, scores @ v
+        return new_max, sums, ops.matmul(scores, v)
     row_max, old_sums, acc = state
     rescale = np.exp(row_max - new_max)  # (..., rows, 1) how much the earlier tiles shrink
-    return new_max, old_sums * rescale + sums, acc * rescale + scores @ v
+    return new_max, old_sums * rescale + sums, acc * rescale + ops.matmul(scores, v)
 
 
 def exp_shifted(scores: np.ndarray, shift: np.ndarray, exp_rows: ExpRows | None) -> np.ndarray:

@@ -80,7 +80,7 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
     `on_layer(i)` is called once layer i's K/V of every segment are written (a PD prefill streams them).
     `attention`: "numba" attends the thin (decode) segments with the compiled kernel when numba imports, and gives
     the other segments' score tiles its compiled exp; "numpy" runs every segment through attention.py alone (the
-    reference).
+    reference). Those tiles' GEMMs run on MKL when the weights do (model.matmul; gemm.tile_matmul).
 
     Returns (len(segments), vocab) logits of each segment's last token, or with `all_logits` a list
     of (T, vocab) arrays, one per segment. Raises `TokenRangeError` for ids outside the vocabulary.
@@ -108,7 +108,7 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
     kernels = batched_decode.compiled() if attention == "numba" else None
     batches = batched_decode.decode_batches([s.cache for s in segments], [s.start_pos for s in segments], lengths,
                                             H // KV) if kernels is not None else []
-    exp_rows = kernels.exp_rows if kernels is not None else None  # prefill tiles' softmax exp
+    tile_ops = attn_kernels.TileOps(gemm.tile_matmul(mm), kernels.exp_rows if kernels is not None else None)  # prefill tiles
     kernel_segments = {j for batch in batches for j in batch.segments}
     tasks = [task for task in attention_tasks(segments, lengths, H // KV) if task[0] not in kernel_segments]  # numpy's work
     runs = [s.cache.runs(s.start_pos + T) for s, T in zip(segments, lengths)]  # block runs, the same in every layer
@@ -131,7 +131,7 @@ def forward(model: Model, segments: list[Segment], all_logits: bool = False,
                 s, first = segments[j], segments[j].start_pos + lo
                 rows = slice(offsets[j] + lo, offsets[j] + hi)
                 attn[rows] = attn_kernels.attention(q[rows], s.cache.views(layer_index, s.start_pos + hi, 0, runs[j]), first,
-                                                    exp_rows)
+                                                    tile_ops)
 
         for batch in batches:  # the kernel spreads its own tasks over the cores
             batched_decode.attend(batch, layer_index, q, attn, attention_threads())

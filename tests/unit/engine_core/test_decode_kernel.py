@@ -118,9 +118,9 @@ def test_decode_segments_skip_the_numpy_path(tiny_model: Model, monkeypatch: pyt
     calls: list[tuple[int, bool]] = []  # (queries, compiled exp given)
     reference = attention_module.attention
 
-    def counting(q, runs, start_pos, exp_rows=None):  # type: ignore[no-untyped-def]
-        calls.append((len(q), exp_rows is not None))
-        return reference(q, runs, start_pos, exp_rows)
+    def counting(q, runs, start_pos, ops=attention_module.NUMPY):  # type: ignore[no-untyped-def]
+        calls.append((len(q), ops.exp_rows is not None))
+        return reference(q, runs, start_pos, ops)
 
     monkeypatch.setattr(attention_module, "attention", counting)
     pool = KVPool(TINY, 4096 * TINY.kv_bytes_per_token, BS)

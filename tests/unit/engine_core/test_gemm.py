@@ -113,3 +113,36 @@ def test_without_mkl_the_engine_runs_numpy_and_says_so(tiny_model: Model, monkey
     assert [(x["level"], x["gemm"], x["reason"]) for x in lines] == [("WARNING", "numpy", "mkl_missing")]
     cache = KVCache(TINY, 8)
     assert forward(replace(tiny_model, matmul=matmul), [Segment(np.arange(5), cache, 0)]).shape == (1, TINY.vocab_size)
+
+
+def test_attention_tiles_multiply_on_mkl_from_the_pool_in_place(mkl_model: Model) -> None:
+    """PackedMatmul.tile: a query block @ a K tile transposed and a score tile @ a V tile, each a strided view of one
+    KV head of a pool-shaped array, equal numpy's; a view without a unit stride goes to numpy."""
+    rng = np.random.default_rng(2)
+    pool = rng.standard_normal((300, 4, 64), dtype=np.float32)  # (slots, KV, hd): one head is a strided view
+    q = rng.standard_normal((40, 64), dtype=np.float32)
+    scores = rng.standard_normal((40, 300), dtype=np.float32)
+    tile = mkl_model.matmul.tile  # type: ignore[attr-defined]
+    for a, b in ((q, pool[:, 1].T), (scores, pool[:, 2]), (q[:, :32], pool[:, 3, ::2].T)):
+        expected = a @ b
+        np.testing.assert_allclose(tile(a, b), expected, rtol=1e-5, atol=1e-5 * float(np.abs(expected).max()))
+    assert gemm.tile_matmul(mkl_model.matmul) == tile and gemm.tile_matmul(np.matmul) is np.matmul
+
+
+def test_a_long_prompt_with_its_tiles_on_mkl_matches_the_reference(mkl_model: Model, tiny_tensors: dict,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt cut into many query blocks and key tiles, the weights on MKL: every tile GEMM goes through MKL and
+    the logits at every position are the reference's."""
+    from stack.engine import attention as attention_module
+
+    monkeypatch.setattr(attention_module, "QUERY_BLOCK", 16)
+    monkeypatch.setattr(attention_module, "KEY_BLOCK", 32)
+    monkeypatch.setattr(attention_module, "THIN_QUERIES", 8)
+    shapes: list[tuple[int, int]] = []
+    tile = gemm.PackedMatmul.tile
+    monkeypatch.setattr(gemm.PackedMatmul, "tile", lambda self, a, b: shapes.append(b.shape) or tile(self, a, b))
+    prompt = [int(t) for t in np.random.default_rng(6).integers(0, 256, 120)]
+    logits = forward(mkl_model, [Segment(np.array(prompt), KVCache(TINY, 120), 0)], all_logits=True)[0]
+    hd = TINY.head_dim
+    assert any(s[0] == hd for s in shapes) and any(s[1] == hd for s in shapes)  # Q @ K^T and P @ V both
+    assert_matches_reference(logits, naive_logits(TINY, tiny_tensors, prompt))

@@ -150,9 +150,9 @@ def test_long_prompt_scores_stay_tile_sized(tiny_model: Model, tiny_tensors: dic
     sizes: list[int] = []
     fold = attention_module.online_softmax
 
-    def recording(state, scores, v, exp_rows=None):  # type: ignore[no-untyped-def]
+    def recording(state, scores, v, ops=attention_module.NUMPY):  # type: ignore[no-untyped-def]
         sizes.append(scores.size)
-        return fold(state, scores, v, exp_rows)
+        return fold(state, scores, v, ops)
 
     monkeypatch.setattr(attention_module, "online_softmax", recording)
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, 256, 120)]
