@@ -37,9 +37,10 @@ SIGNATURE = ("void(float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, :
 # nogil: the event loop and the KV socket keep running while a step attends.
 OPTIONS = {"parallel": True, "fastmath": True, "nogil": True}
 # exp_rows: scores (rows, n), shift (rows,), sums (rows,). Not parallel: forward's attention threads each call it on
-# their own tiles, and with nogil they run at once.
+# their own tiles, and with nogil they run at once. A diagonal tile holds the causal mask's -inf, so fastmath without
+# its no-inf/no-nan assumptions: the sums may still be reassociated (vectorised).
 EXP_SIGNATURE = "void(float32[:, ::1], float32[::1], float32[::1])"
-EXP_OPTIONS = {"fastmath": True, "nogil": True}
+EXP_OPTIONS = {"fastmath": {"reassoc", "contract", "arcp", "nsz", "afn"}, "nogil": True}
 # How far ahead of the block being read the kernel asks for the same slot of a later block. With the KV of a whole
 # step in memory rather than in the L3, each of the two passes below read at ~10 GB/s of an 18 GB/s read roof: the
 # loop's work and its misses took turns. Prefetching 2 blocks ahead, a layer of batch-32 decode took 0.73-0.83x the
