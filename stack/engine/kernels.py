@@ -8,7 +8,7 @@ not memory, bounds the step. One call here walks every sequence's block table wh
 pool, a `prange` over the segments spread over the cores; each key and value is read once for the G query
 heads of its group (and the T queries of a short segment), and the loops over head_dim are plain float32 loops
 LLVM vectorises. A prefill's attention stays numpy's GEMMs over key tiles (attention.py); only each tile's
-exp-and-sum comes here, one walk of the tile instead of numpy's four passes.
+exp-and-sum comes here, one walk of each row instead of numpy's three passes over the tile.
 
 This module imports numba and nothing of the engine: the image compiles it into NUMBA_CACHE_DIR on its own
 (Dockerfile), and batched_decode.py imports it only when the kernel is wanted. attention.py (numpy) stays
@@ -125,7 +125,7 @@ def exp_rows(scores: np.ndarray, shift: np.ndarray, sums: np.ndarray) -> None:  
     """A prefill tile's softmax numerator: scores (rows, n) -> exp(scores - shift[:, None]) in place, sums (rows,)
     their row sums; shift (rows,) the rows' running maxima (attention.online_softmax).
 
-    numpy spends four passes over the tile on this (subtract, exp, sum, and a temporary of each); here it is one
+    numpy spends three passes over the whole tile on this (subtract, exp, sum, each in place); here it is one
     walk of each row, which stays in the L1. The row maxima stay numpy's: its reduction is vectorised and numba's
     `max` loop is not (measured 75 against 650 us for a 256 x 2048 tile)."""
     bits = np.empty(scores.shape[1], np.int32)  # (n,) exp_shifted's scratch

@@ -22,7 +22,7 @@ from stack.engine.kv_cache import KVCache, KVPool
 from stack.engine.model import Model, Segment, forward
 
 from .reference import TINY, naive_logits
-from .test_paged import BS, PROMPT, assert_matches_reference, scattered_pool
+from .test_paged import BS, PROMPT, assert_long_prompt_matches_reference, assert_matches_reference, scattered_pool
 
 
 SHIPPED_MIN_SEGMENTS = batched_decode.MIN_SEGMENTS
@@ -220,17 +220,13 @@ def test_the_compiled_tile_exp_matches_numpys() -> None:
     np.testing.assert_allclose(sums, expected.sum(axis=-1), rtol=1e-5)
 
 
+@pytest.mark.usefixtures("small_tiles")
 def test_a_long_prompt_through_the_compiled_exp_matches_the_reference(tiny_model: Model, tiny_tensors: dict,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt cut into many query blocks and key tiles (the causal diagonal in some, the online softmax across
     them), attended with the compiled tile exp: the reference's logits at every position."""
-    monkeypatch.setattr(attention_module, "QUERY_BLOCK", 16)
-    monkeypatch.setattr(attention_module, "KEY_BLOCK", 32)
-    monkeypatch.setattr(attention_module, "THIN_QUERIES", 8)
     used: list[bool] = []
     fold = attention_module.exp_shifted
     monkeypatch.setattr(attention_module, "exp_shifted", lambda s, shift, exp_rows: used.append(exp_rows is not None) or fold(s, shift, exp_rows))
-    prompt = [int(t) for t in np.random.default_rng(5).integers(0, 256, 120)]
-    logits = forward(tiny_model, [Segment(np.array(prompt), KVCache(TINY, 120), 0)], all_logits=True, attention="numba")[0]
+    assert_long_prompt_matches_reference(tiny_model, tiny_tensors, seed=5)
     assert used and all(used)
-    assert_matches_reference(logits, naive_logits(TINY, tiny_tensors, prompt))

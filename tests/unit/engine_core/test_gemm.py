@@ -18,7 +18,7 @@ from stack.engine.kv_cache import KVCache
 from stack.engine.model import Model, Segment, attention_threads, forward
 
 from .reference import TINY, naive_logits
-from .test_paged import PROMPT, assert_matches_reference, scattered_pool
+from .test_paged import PROMPT, assert_long_prompt_matches_reference, assert_matches_reference, scattered_pool
 
 
 @pytest.fixture(scope="module")
@@ -129,20 +129,14 @@ def test_attention_tiles_multiply_on_mkl_from_the_pool_in_place(mkl_model: Model
     assert gemm.tile_matmul(mkl_model.matmul) == tile and gemm.tile_matmul(np.matmul) is np.matmul
 
 
+@pytest.mark.usefixtures("small_tiles")
 def test_a_long_prompt_with_its_tiles_on_mkl_matches_the_reference(mkl_model: Model, tiny_tensors: dict,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt cut into many query blocks and key tiles, the weights on MKL: every tile GEMM goes through MKL and
     the logits at every position are the reference's."""
-    from stack.engine import attention as attention_module
-
-    monkeypatch.setattr(attention_module, "QUERY_BLOCK", 16)
-    monkeypatch.setattr(attention_module, "KEY_BLOCK", 32)
-    monkeypatch.setattr(attention_module, "THIN_QUERIES", 8)
     shapes: list[tuple[int, int]] = []
     tile = gemm.PackedMatmul.tile
     monkeypatch.setattr(gemm.PackedMatmul, "tile", lambda self, a, b: shapes.append(b.shape) or tile(self, a, b))
-    prompt = [int(t) for t in np.random.default_rng(6).integers(0, 256, 120)]
-    logits = forward(mkl_model, [Segment(np.array(prompt), KVCache(TINY, 120), 0)], all_logits=True)[0]
+    assert_long_prompt_matches_reference(mkl_model, tiny_tensors, seed=6)
     hd = TINY.head_dim
     assert any(s[0] == hd for s in shapes) and any(s[1] == hd for s in shapes)  # Q @ K^T and P @ V both
-    assert_matches_reference(logits, naive_logits(TINY, tiny_tensors, prompt))

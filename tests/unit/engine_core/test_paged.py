@@ -139,14 +139,22 @@ def test_paged_views_read_and_write_across_runs() -> None:
     np.testing.assert_array_equal(cache.pool.k[0, block, row], data[0, 13])
 
 
+LONG = 120  # tokens of the long prompt the small_tiles fixture cuts into many blocks and tiles
+
+
+def assert_long_prompt_matches_reference(model: Model, tensors: dict, seed: int, attention: str = "numba") -> None:
+    """A LONG-token prompt through one forward: the naive reference's logits at every position."""
+    prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 256, LONG)]
+    logits = forward(model, [Segment(np.array(prompt), KVCache(TINY, LONG), 0)], all_logits=True, attention=attention)[0]
+    assert_matches_reference(logits, naive_logits(TINY, tensors, prompt))
+
+
+@pytest.mark.usefixtures("small_tiles")
 def test_long_prompt_scores_stay_tile_sized(tiny_model: Model, tiny_tensors: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """Bounded memory: a 120-token prompt's attention never holds more scores than a (query block x key tile), yet
     equals the reference."""
     from stack.engine import attention as attention_module
 
-    monkeypatch.setattr(attention_module, "QUERY_BLOCK", 16)
-    monkeypatch.setattr(attention_module, "KEY_BLOCK", 32)
-    monkeypatch.setattr(attention_module, "THIN_QUERIES", 8)  # 16-query blocks take the per-head path, as 128 do
     sizes: list[int] = []
     fold = attention_module.online_softmax
 
@@ -155,8 +163,6 @@ def test_long_prompt_scores_stay_tile_sized(tiny_model: Model, tiny_tensors: dic
         return fold(state, scores, v, ops)
 
     monkeypatch.setattr(attention_module, "online_softmax", recording)
-    prompt = [int(t) for t in np.random.default_rng(3).integers(0, 256, 120)]
-    logits = forward(tiny_model, [Segment(np.array(prompt), KVCache(TINY, 120), 0)], all_logits=True, attention="numpy")[0]
+    assert_long_prompt_matches_reference(tiny_model, tiny_tensors, seed=3, attention="numpy")
     G = TINY.n_heads // TINY.n_kv_heads
-    assert max(sizes) <= 16 * G * 32 < 120 * 120
-    assert_matches_reference(logits, naive_logits(TINY, tiny_tensors, prompt))
+    assert max(sizes) <= 16 * G * 32 < LONG * LONG
