@@ -8,15 +8,16 @@ ARG BASE_IMAGE=python:3.11-slim
 # The engine's weight matmuls use oneMKL (stack/engine/gemm.py) with intel-openmp's threads: the `mkl` wheel and its
 # dependencies bring ~1 GB of libraries into /opt/venv/lib, of which the engine loads the single dynamic library,
 # LP64, intel-openmp threading, the core, the vector math and one CPU-specific pair per CPU family (all families
-# are kept: MKL picks one at run time and stops the process if it is missing) and tbbmalloc. The rest (GPU offload,
-# MPI, ILP64, the other threading layers, static and debug files) is removed.
+# are kept: MKL picks one at run time and stops the process if it is missing) and tbbmalloc; and oneTBB's runtime,
+# numba's threading layer (stack/engine/batched_decode.py). The rest (GPU offload, MPI, ILP64, MKL's other
+# threading layers, static and debug files) is removed.
 FROM ${BASE_IMAGE} AS venv
 COPY .cache/wheels /tmp/wheels
 RUN python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-index --no-cache-dir --disable-pip-version-check \
         --find-links /tmp/wheels -r /tmp/wheels/requirements.txt \
  && cd /opt/venv/lib \
- && rm -rf cmake pkgconfig *.a *.dbg libarcher* libomptarget* libur_* libumf* libtcm* libhwloc* libtbb.so* libtbbbind* \
+ && rm -rf cmake pkgconfig *.a *.dbg libarcher* libomptarget* libur_* libumf* libtcm* libhwloc* libtbb.so libtbbbind* \
         libtbbmalloc_proxy* libiompstubs5* libiomp5_db* libmkl_*ilp64* libmkl_gf_* libmkl_scalapack* libmkl_blacs* \
         libmkl_cdft* libmkl_sequential* libmkl_gnu_thread* libmkl_tbb_thread*
 

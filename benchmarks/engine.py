@@ -13,7 +13,7 @@ bandwidth, memory read bandwidth, the BLAS threadpoolctl sees, loopback socket b
   (weights + the batch's KV) bytes per step / the copy bandwidth (the issue's bound) and / the read bandwidth (the
   roof of a step that only reads); once per --attention arm (numba: the engine's
   compiled kernel, its default; numpy: attention.py) and --gemm arm (auto: the engine's default, mkl on an Intel
-  CPU and numpy elsewhere; mkl: MKL's packed GEMM; numpy: OpenBLAS), the arms of a point run back to back;
+  CPU and numba elsewhere; mkl: MKL's packed GEMM; numba: the compiled kernel; numpy: OpenBLAS), the arms of a point run back to back;
 - peak resident memory of the longest prefill and of the largest batch x context (sampled while it runs);
 - attention on one thread vs spread over the cores (paired runs), for the largest decode batch and a prefill;
 - one layer's decode attention of the largest batch, numpy vs the engine's compiled kernel (attention_kernels.py);
@@ -382,7 +382,7 @@ def points(argv: list[str]) -> list[str]:
     parser.add_argument("--attention", type=arms(batched_decode.ATTENTION), default=ATTENTION,
                         help="decode attention arms, comma-separated: numba (the engine's kernel, default), numpy")
     parser.add_argument("--gemm", type=arms(gemm.GEMM), default=GEMM,
-                        help="decode weight-matmul arms, comma-separated: auto (the engine's default), mkl, numpy")
+                        help="decode weight-matmul arms, comma-separated: auto (the engine's default), mkl, numba, numpy")
     args, rest = parser.parse_known_args(argv)
     POINTS.update(QUICK if args.quick else FULL)
     POINTS.update({key: getattr(args, key) for key in ("prefill", "contexts", "batches") if getattr(args, key)})

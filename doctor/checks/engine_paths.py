@@ -5,7 +5,8 @@ Each of our engines says at warm-up what its decode attention and its weight mat
 `engine.gemm`: stack/engine/batched_decode.py and gemm.py). Three of those lines name a path slower than the one
 the image ships, and nothing else shows it: requests still succeed, only slower.
 - attention numpy, reason numba_missing: numba did not import, so a decode batch's attention is some twenty numpy
-  calls per sequence and layer instead of one compiled call (2-4x the kernel's time at batch 32, docs/engine.md);
+  calls per sequence and layer instead of one compiled call (2-4x the kernel's time at batch 32, docs/engine.md),
+  and on a CPU that is not Intel's the weight matmuls run on OpenBLAS instead of the compiled kernel;
 - gemm numpy, reason mkl_missing: MKL was wanted (an Intel CPU, or `gemm: mkl`) and libmkl_rt did not load;
 - gemm mkl on a CPU whose vendor is not GenuineIntel (`PD_GEMM=mkl` or `gemm: mkl`): MKL runs its generic code
   there; on an AMD EPYC a decode step of 8 sequences took 1.9x OpenBLAS's time.
@@ -19,7 +20,7 @@ from doctor.findings import Context, Finding, finding
 from doctor.parse import Record
 from stack.common import events
 
-INTEL = "GenuineIntel"  # CPUID's vendor string: gemm auto picks MKL on it (stack/engine/gemm.py; not imported: numpy)
+INTEL = "GenuineIntel"  # CPUID's vendor string: gemm auto picks MKL on it, numba elsewhere (stack/engine/gemm.py; not imported: numpy)
 
 # The fallbacks: (event, reason, finding id, what runs instead, why it is slower, the package to reinstall, more fix).
 _FALLBACKS = (
@@ -56,7 +57,7 @@ def check(ctx: Context) -> list[Finding]:
             "(MKL_VERBOSE=1 says \"Intel(R) Architecture processors\"). On an AMD EPYC a decode step of 8 sequences "
             "took 1.9x, and of 32 1.2x, OpenBLAS's time. gemm: mkl (or PD_GEMM=mkl) forces it.",
             "remove PD_GEMM from .env (or set PD_GEMM=auto; gemm: auto in the engine's config.json), which picks "
-            f"OpenBLAS on this CPU; {restart}", generic))
+            f"the compiled kernel (numba) on this CPU; {restart}", generic))
     return found
 
 

@@ -266,14 +266,16 @@ ENGINE_PREFILL_STOPPED = Event("engine.prefill_stopped", ENGINE,
 ENGINE_STEP_FAILED = Event("engine.step_failed", ENGINE, "a forward/sampling step raised (a bug); its sequences end with an error",
                            required=(SEQUENCES,), optional=(EXC,), level="ERROR")
 ATTENTION = Field("attention", str, "numba", "numba | numpy: the decode attention an engine runs (docs/engine.md)")
+THREADING_LAYER = Field("threading_layer", str, "tbb", "numba's threading layer the kernels' parallel loops run on: tbb, or "
+                        "workqueue (~30x dearer a launch) when oneTBB does not load (stack/engine/batched_decode.py)")
 KERNEL_MS = Field("kernel_ms", float, 412.0, "time to compile the numba attention kernel, or to load it from numba's cache")
 KERNEL_CACHED = Field("kernel_cached", bool, True, "the kernel came from numba's on-disk cache (the image bakes one)")
 ENGINE_ATTENTION = Event("engine.attention", ENGINE, "at warm-up: which decode attention this engine runs; reason numba_missing "
                          "(a warning: the kernel is wanted, numba does not import) or configured (attention: numpy)",
-                         required=(ATTENTION,), optional=(KERNEL_MS, KERNEL_CACHED, REASON))
-GEMM = Field("gemm", str, "mkl", "mkl | numpy: what an engine's weight matmuls run on (stack/engine/gemm.py)")
+                         required=(ATTENTION,), optional=(KERNEL_MS, KERNEL_CACHED, THREADING_LAYER, REASON))
+GEMM = Field("gemm", str, "mkl", "mkl | numba | numpy: what an engine's weight matmuls run on (stack/engine/gemm.py)")
 CPU_VENDOR = Field("cpu_vendor", str, "GenuineIntel", "the CPU's vendor string (/proc/cpuinfo): gemm auto picks mkl on GenuineIntel only")
-ENGINE_GEMM = Event("engine.gemm", ENGINE, "at warm-up: what the weight matmuls run on (mkl | numpy) and the CPU's vendor; at "
+ENGINE_GEMM = Event("engine.gemm", ENGINE, "at warm-up: what the weight matmuls run on (mkl | numba | numpy) and the CPU's vendor; at "
                     "model load, a warning with reason mkl_missing when mkl is wanted and oneMKL does not load",
                     required=(GEMM,), optional=(CPU_VENDOR, REASON))
 

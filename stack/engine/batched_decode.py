@@ -7,15 +7,19 @@ layer; the kernel spreads its (segment, KV head) tasks over `threads` cores itse
 thread-pool split for those segments. Longer segments (prefill chunks) keep attention.py's numpy path, with
 the exponentials of each score tile compiled (kernels.exp_rows, which forward hands to attention.py).
 
-`compiled()` compiles the kernels (or loads them from numba's cache) the first time it is asked, which the
-engine's warm-up does before health says SERVING, and logs once which attention the process runs:
-without numba it logs a warning and answers None, and the engine stays on numpy.
+`compiled()` compiles the kernels (or loads them from numba's cache) the first time it is asked, at the model's load
+when the weight matmuls use them (gemm.py) or at the engine's warm-up, before health says SERVING; without numba
+it logs a warning and answers None, and the engine stays on numpy. The warm-up logs which attention runs
+(`log_attention`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, get_args
@@ -32,11 +36,15 @@ if TYPE_CHECKING:  # kernels imports numba, which only compiled() may import
     from stack.engine.kernels import Compiled
 
 ATTENTION = get_args(Attention)  # the kernel (default) | attention.py, the reference (engine config `attention`)
-# numba's workqueue threading layer is in every numba wheel (omp needs the system's libgomp, tbb a wheel of its
-# own): the same layer in the image and on the host, and its idle threads sleep instead of spinning against
-# BLAS's. It aborts the process on two concurrent launches, hence one launch at a time (two engines' step
-# threads in one test process; an engine has one step thread).
-THREADING_LAYER = "workqueue"
+# numba's threading layers, the first that loads. oneTBB (the `tbb` wheel, a dependency; also MKL's): a parallel
+# launch takes ~3 us, and its idle workers sleep after a short spin instead of spinning against BLAS's. The
+# workqueue layer, in every numba wheel, wakes its sleeping workers on every launch: ~95 us a launch on a 2-core
+# VM, 3 ms of a decode step's 41 launches (8 attention, 33 weight matmuls). omp (the system's libgomp, which the
+# image does not have) is last: numba wants all three named, and workqueue always loads. workqueue aborts the
+# process on two concurrent launches, hence one launch at a time (two engines' step threads in one test process;
+# an engine has one step thread).
+THREADING_LAYERS = ["tbb", "workqueue", "omp"]
+TBB_LIBRARY = "libtbb.so.12"  # the tbb wheel's, in the environment's lib/: not on the loader's path, so loaded here
 _LAUNCH = threading.Lock()
 # Thin segments a pool needs in a step before the kernel takes them. A lone decode is one (segment, KV head) task
 # per KV head, too few to spread, while numpy's K @ q streams its cache through BLAS: measured on a quiet 2-core
@@ -97,23 +105,58 @@ def attend(batch: DecodeBatch, layer: int, q: np.ndarray, out: np.ndarray, threa
 
 @lru_cache(maxsize=1)
 def compiled() -> Compiled | None:
-    """The compiled kernels (compiled, or loaded from numba's cache, on the first call; logged once), or None when
-    numba cannot be imported (logged once as a warning: the engine runs attention.py)."""
+    """The compiled kernels (compiled, or loaded from numba's cache, on the first call), on oneTBB's threads where
+    the tbb wheel loads; or None when numba cannot be imported (logged once as a warning: the engine runs
+    attention.py and numpy's matmuls)."""
     try:
         import numba
 
         from stack.engine import kernels
     except ImportError as exc:
-        log_event(events.ENGINE_ATTENTION, f"numba cannot be imported ({exc}): decode attention runs on numpy",
+        log_event(events.ENGINE_ATTENTION, f"numba cannot be imported ({exc}): decode attention and the weight matmuls run on numpy",
                   "WARNING", attention="numpy", reason="numba_missing")
         return None
     if "NUMBA_THREADING_LAYER" not in os.environ:  # an operator's choice wins
-        numba.config.THREADING_LAYER = THREADING_LAYER
+        _load_tbb()
+        numba.config.THREADING_LAYER = "default"  # the first of the priority list that loads
+        numba.config.THREADING_LAYER_PRIORITY = THREADING_LAYERS
     try:
         done = kernels.compile_kernel(cache=True)
     except RuntimeError:  # no writable cache directory (a read-only root filesystem): compile in memory
         done = kernels.compile_kernel(cache=False)
-    how = "loaded from numba's cache" if done.cached else "compiled"
-    log_event(events.ENGINE_ATTENTION, f"decode attention: the numba kernel, {how} in {done.seconds * 1000:.0f} ms",
-              attention="numba", kernel_ms=round(done.seconds * 1000, 1), kernel_cached=done.cached)
     return done
+
+
+def launch(kernel: Callable[..., None], *args: np.ndarray) -> None:
+    """Run one of the compiled parallel kernels (the weight matmuls' rows_matmul): one launch at a time in the process,
+    as attend's, for workqueue's sake."""
+    with _LAUNCH:
+        kernel(*args)
+
+
+def log_attention(attention: str) -> None:
+    """The warm-up's one `engine.attention` line: the kernel (how it was loaded, on which of numba's threading
+    layers), or numpy as configured. Nothing more when the kernel is wanted and numba is missing: compiled() has
+    warned already."""
+    if attention == "numpy":
+        log_event(events.ENGINE_ATTENTION, "decode attention: numpy (attention: numpy)", attention="numpy", reason="configured")
+        return
+    done = compiled()
+    if done is None:
+        return
+    import numba
+
+    launch(done.matmul, *(np.zeros(shape, np.float32) for shape in ((4, 1), (1, 1), (4, 1))))  # starts numba's layer
+    layer = numba.threading_layer()
+    how = "loaded from numba's cache" if done.cached else "compiled"
+    log_event(events.ENGINE_ATTENTION, f"decode attention: the numba kernel, {how} in {done.seconds * 1000:.0f} ms, "
+              f"on numba's {layer} threads", attention="numba", kernel_ms=round(done.seconds * 1000, 1),
+              kernel_cached=done.cached, threading_layer=layer)
+
+
+def _load_tbb() -> None:
+    """Load the tbb wheel's library by path, so that numba's tbb layer finds it; without it numba takes workqueue."""
+    try:
+        ctypes.CDLL(os.path.join(sys.prefix, "lib", TBB_LIBRARY), mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        pass

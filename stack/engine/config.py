@@ -6,7 +6,7 @@ accepted; the ones that mean nothing on a CPU engine are listed by `ignored_fiel
 at start (`config.ignored`). Unknown keys and wrong types raise `ConfigError` (file: key: problem).
 
 `PD_PREFIX_CACHING=0|1` in the environment overrides `prefix_caching` (benchmark arms flip it per run), and
-`PD_ATTENTION=numba|numpy` overrides `attention` and `PD_GEMM=auto|mkl|numpy` overrides `gemm` (back to the numpy
+`PD_ATTENTION=numba|numpy` overrides `attention` and `PD_GEMM=auto|mkl|numba|numpy` overrides `gemm` (back to the numpy
 reference without editing the config).
 `KV_TRANSFER_PORT` in the environment is the one override of where a KV consumer (decode) listens;
 decode reports the port it got on `/health` (`kv_port`), which is where the router learns it. A
@@ -27,7 +27,7 @@ Role = Literal["prefill", "decode", "both"]
 KVRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 KVDtype = Literal["float32", "float16"]
 Attention = Literal["numba", "numpy"]
-Gemm = Literal["auto", "mkl", "numpy"]
+Gemm = Literal["auto", "mkl", "numba", "numpy"]
 
 # Our own connector: TCP push from prefill to the decode's kv_port (see kv_transfer.py).
 OWN_CONNECTOR = "PdTcpConnector"
@@ -36,7 +36,7 @@ DEFAULT_KV_ROLE: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consu
 KV_PORT_ENV = "KV_TRANSFER_PORT"  # overrides a KV consumer's kv_transfer_config.kv_port (compose passes it from .env)
 PREFIX_CACHING_ENV = "PD_PREFIX_CACHING"  # 0 | 1: overrides prefix_caching (the benchmark's arms with and without it)
 ATTENTION_ENV = "PD_ATTENTION"  # numba | numpy: overrides attention
-GEMM_ENV = "PD_GEMM"  # auto | mkl | numpy: overrides gemm
+GEMM_ENV = "PD_GEMM"  # auto | mkl | numba | numpy: overrides gemm
 # Environment variables that override one config key each: variable -> (key, {accepted text: value}).
 _ENV_CHOICES: dict[str, tuple[str, dict[str, Any]]] = {
     PREFIX_CACHING_ENV: ("prefix_caching", {"0": False, "1": True}),
@@ -100,8 +100,9 @@ class EngineConfig:
     # decode attention: numba = the compiled paged kernel (kernels.py; numpy when numba does not import), numpy =
     # attention.py, the reference (env PD_ATTENTION=numba|numpy)
     attention: Attention = "numba"
-    # weight matmuls: mkl = oneMKL's packed GEMM for 2-256 rows (gemm.py; numpy when MKL does not load), numpy =
-    # OpenBLAS through numpy, the reference; auto = mkl on an Intel CPU, numpy on others (env PD_GEMM=auto|mkl|numpy)
+    # weight matmuls for 2-256 rows (gemm.py): mkl = oneMKL's packed GEMM (numpy when MKL does not load), numba = the
+    # compiled rows_matmul on transposed weights (numpy without numba), numpy = OpenBLAS through numpy, the reference;
+    # auto = mkl on an Intel CPU, numba on others (env PD_GEMM=auto|mkl|numba|numpy)
     gemm: Gemm = "auto"
 
     def __post_init__(self) -> None:

@@ -1,5 +1,6 @@
-"""The weight matmuls: oneMKL's packed GEMM for a decode batch's few rows, numpy (OpenBLAS) for the rest; and MKL's
-GEMM for a prefill's attention tiles when the weights run on it.
+"""The weight matmuls: a decode batch's few rows through oneMKL's packed GEMM on an Intel CPU and through our compiled
+kernel on others, numpy (OpenBLAS) for the rest; and MKL's GEMM for a prefill's attention tiles when the weights run
+on it.
 
 Every step multiplies its N rows of activations by each weight matrix (model.py). With 2 to a few hundred rows
 (a decode batch) OpenBLAS's GEMM copies ("packs") every panel of the weight into its kernel's layout on every
@@ -20,12 +21,16 @@ Figures: docs/engine.md, "Weight matmuls".
   a 16k prefill in 0.93x the time of the same tiles on OpenBLAS.
 - **Numerics**: the same float32 products summed in another order: within 1e-6 relative of numpy, and the engine's
   tests hold a model on MKL to the numpy model and the float64 reference (tests/unit/engine_core/test_gemm.py).
-- **Which CPUs** (`gemm: auto`, the default): Intel's only, as CTranslate2 decides for its MKL backend. On other
-  CPUs MKL runs its generic code: on a 2-core AMD EPYC (AVX2) it announced "Intel(R) Architecture processors"
+- **Which CPUs** (`gemm: auto`, the default): MKL on Intel's only, as CTranslate2 decides for its MKL backend. On
+  other CPUs MKL runs its generic code: on a 2-core AMD EPYC (AVX2) it announced "Intel(R) Architecture processors"
   (`MKL_VERBOSE=1`) where an Intel CPU gets its AVX2 or AVX-512 kernels, and its packed GEMM took 2.5x OpenBLAS's
   time at 8 rows and 1.8x at 32. `gemm: mkl` uses it on any CPU.
-- **Without MKL** (`gemm: numpy` in the engine's config.json, `PD_GEMM=numpy`, auto on a CPU not Intel's, or no
-  loadable library) every matmul is numpy's; the last logs one `engine.gemm` warning with `reason: mkl_missing`.
+- **Elsewhere, the compiled kernel** (`CompiledMatmul`, `gemm: numba`, auto on a CPU not Intel's): numba's
+  `kernels.rows_matmul` multiplies 2..MAX_ROWS rows by each weight stored transposed, a copy made at load, so
+  nothing is packed per call. On a 2-core Zen 4 EPYC dummy:small's matmuls took 0.6x OpenBLAS's time at 8 rows and
+  0.8x at 32. Without numba it is numpy (the `engine.attention` line already warns `numba_missing`).
+- **Without either** (`gemm: numpy` in the engine's config.json, `PD_GEMM=numpy`, or no loadable library) every
+  matmul is numpy's; MKL wanted and missing logs one `engine.gemm` warning with `reason: mkl_missing`.
 """
 
 from __future__ import annotations
@@ -41,13 +46,16 @@ import numpy as np
 
 from stack.common import events
 from stack.common.logging import log_event
+from stack.engine import batched_decode
 from stack.engine.config import Gemm
 from stack.engine.weights import Weights
 
-GEMM = get_args(Gemm)  # auto (default: mkl on an Intel CPU, numpy elsewhere) | mkl | numpy (engine config `gemm`)
+GEMM = get_args(Gemm)  # auto (default: mkl on an Intel CPU, numba elsewhere) | mkl | numba | numpy (config `gemm`)
 INTEL = "GenuineIntel"  # the CPUID vendor string of the CPUs MKL runs its own kernels on
 MIN_ROWS = 2  # one row: OpenBLAS's GEMV (MKL packed took 1.12x its time)
-MAX_ROWS = 256  # past this OpenBLAS's packing is a small share: level at 2,048 rows, MKL 0.87x at 128 on the Xeon
+# Past this OpenBLAS's packing is a small share: level at 2,048 rows, MKL 0.87x at 128 on the Xeon, the compiled
+# kernel 0.8x at 128 and 0.9x at 256 on the Zen 4 EPYC.
+MAX_ROWS = 256
 PACK_ROWS = 32  # the row count MKL is told at packing time; the packed copy serves any count (checked in tests)
 
 Matmul = Callable[[np.ndarray, np.ndarray], np.ndarray]  # (rows, k) @ (k, n) -> (rows, n)
@@ -94,9 +102,8 @@ class PackedMatmul:
     def __init__(self, lib: ctypes.CDLL, weights: Weights) -> None:
         self._lib = lib
         self._packed: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # id(w) -> (w, packed buffer, its address)
-        for matrix in [m for layer in weights.layers for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)]:
+        for matrix in weight_matrices(weights):
             self._pack(matrix)
-        self._pack(weights.lm_head)
 
     def _pack(self, w: np.ndarray) -> None:
         k, n = w.shape  # (k, n) float32: C-contiguous, or the transposed embedding of a tied lm_head
@@ -145,6 +152,43 @@ class PackedMatmul:
         return out
 
 
+class CompiledMatmul:
+    """`x @ w` for each weight matrix of one model, through the compiled `kernels.rows_matmul` for MIN_ROWS..MAX_ROWS
+    rows, which reads the weights transposed: a copy of each made here (a tied lm_head is the embedding, already so).
+    """
+
+    def __init__(self, kernel: Callable[..., None], weights: Weights, row_block: int) -> None:
+        self._kernel = kernel
+        self._row_block = row_block  # kernels.ROW_BLOCK (that module imports numba: not imported here)
+        # id(w) -> (w, w transposed, C-contiguous and read-only as w is); w is kept so that its id is never another array's
+        self._transposed = {id(w): (w, _frozen(np.ascontiguousarray(w.T))) for w in weight_matrices(weights)}
+
+    def __call__(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        rows = x.shape[0]
+        entry = self._transposed.get(id(w))
+        if entry is None or not MIN_ROWS <= rows <= MAX_ROWS or x.dtype != np.float32:
+            return x @ w
+        padded = -(-rows // self._row_block) * self._row_block  # the kernel takes whole blocks of rows
+        if padded != rows or not x.flags.c_contiguous:
+            whole = np.zeros((padded, x.shape[1]), np.float32)  # (padded, k) C-contiguous, the padding rows 0
+            whole[:rows] = x
+            x = whole
+        out = np.empty((padded, w.shape[1]), np.float32)  # (padded, n)
+        batched_decode.launch(self._kernel, x, entry[1], out)
+        return out[:rows]
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    array.setflags(write=False)
+    return array
+
+
+def weight_matrices(weights: Weights) -> list[np.ndarray]:
+    """Every matrix `forward` multiplies by: each layer's four, and the lm_head."""
+    return [*(m for layer in weights.layers for m in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)),
+            weights.lm_head]
+
+
 def cpu_vendor() -> str:
     """This CPU's vendor string as the kernel reports it (GenuineIntel, AuthenticAMD, ...); "unknown" without one."""
     try:
@@ -158,18 +202,28 @@ def cpu_vendor() -> str:
 
 
 def resolve(gemm: str, vendor: str) -> str:
-    """mkl | numpy: what `gemm` asks for on a CPU of `vendor` (auto: MKL on Intel's, where it runs its own kernels)."""
+    """mkl | numba | numpy: what `gemm` asks for on a CPU of `vendor` (auto: MKL on Intel's, where it runs its own
+    kernels; the compiled kernel on others)."""
     assert gemm in GEMM, f"gemm is one of {GEMM}, got {gemm!r}"
     if gemm == "auto":
-        return "mkl" if vendor == INTEL else "numpy"
+        return "mkl" if vendor == INTEL else "numba"
     return gemm
 
 
 def weight_matmul(weights: Weights, gemm: str, threads: int) -> Matmul:
     """The matmul `forward` runs the weights through: MKL's packed GEMM when `gemm` resolves to "mkl" and MKL loads
-    (else numpy's, with one `engine.gemm` warning), numpy's when it resolves to "numpy"."""
-    if resolve(gemm, cpu_vendor()) == "numpy":
+    (else numpy's, with one `engine.gemm` warning), the compiled kernel for "numba" (numpy's without numba),
+    numpy's for "numpy"."""
+    kind = resolve(gemm, cpu_vendor())
+    if kind == "numpy":
         return np.matmul
+    if kind == "numba":
+        compiled = batched_decode.compiled()  # None without numba: logged once there (engine.attention, numba_missing)
+        if compiled is None:
+            return np.matmul
+        from stack.engine.kernels import ROW_BLOCK  # numba imports: compiled() said it does
+
+        return CompiledMatmul(compiled.matmul, weights, ROW_BLOCK)
     lib = load_mkl(threads)
     if lib is None:
         log_event(events.ENGINE_GEMM, "oneMKL (libmkl_rt) cannot be loaded: the weight matmuls run on numpy",
@@ -191,5 +245,7 @@ def tile_matmul(matmul: Matmul) -> Matmul:
 
 
 def describe(matmul: Matmul) -> str:
-    """What `matmul` runs on, as the engine.gemm line says it: mkl | numpy."""
-    return "mkl" if isinstance(matmul, PackedMatmul) else "numpy"
+    """What `matmul` runs on, as the engine.gemm line says it: mkl | numba | numpy."""
+    if isinstance(matmul, PackedMatmul):
+        return "mkl"
+    return "numba" if isinstance(matmul, CompiledMatmul) else "numpy"

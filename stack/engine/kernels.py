@@ -1,5 +1,6 @@
-"""The compiled attention kernels (numba): every thin segment of a step against its paged KV, one call per layer
-(`paged_decode`), and the exponentials of a prefill tile's softmax (`exp_rows`).
+"""The compiled kernels (numba): every thin segment of a step against its paged KV, one call per layer
+(`paged_decode`), the exponentials of a prefill tile's softmax (`exp_rows`), and a decode batch's weight matmuls
+on CPUs where oneMKL does not run its own code (`rows_matmul`, gemm.py).
 
 numba is a long-kept JIT on PyPI (a NumFOCUS project, led by Anaconda): it compiles this plain-loop Python to
 machine code with LLVM (its llvmlite wheel carries LLVM), with no C toolchain in the image. Why compiled: a
@@ -8,7 +9,8 @@ not memory, bounds the step. One call here walks every sequence's block table wh
 pool, a `prange` over the segments spread over the cores; each key and value is read once for the G query
 heads of its group (and the T queries of a short segment), and the loops over head_dim are plain float32 loops
 LLVM vectorises. A prefill's attention stays numpy's GEMMs over key tiles (attention.py); only each tile's
-exp-and-sum comes here, one walk of each row instead of numpy's three passes over the tile.
+exp-and-sum comes here, one walk of each row instead of numpy's three passes over the tile. `rows_matmul` multiplies
+a few rows by a weight matrix stored transposed, without OpenBLAS's per-call packing of the weights.
 
 This module imports numba and nothing of the engine: the image compiles it into NUMBA_CACHE_DIR on its own
 (Dockerfile), and batched_decode.py imports it only when the kernel is wanted. attention.py (numpy) stays
@@ -41,6 +43,14 @@ OPTIONS = {"parallel": True, "fastmath": True, "nogil": True}
 # its no-inf/no-nan assumptions: the sums may still be reassociated (vectorised).
 EXP_SIGNATURE = "void(float32[:, ::1], float32[::1], float32[::1])"
 EXP_OPTIONS = {"fastmath": {"reassoc", "contract", "arcp", "nsz", "afn"}, "nogil": True}
+# rows_matmul: x (M, K) with M a multiple of ROW_BLOCK, a weight matrix transposed (N, K), read-only as the weights
+# are (a tied lm_head's is the embedding itself; a writable one converts), out (M, N). Parallel: the weight matmuls
+# run one at a time on forward's thread. Like exp_rows, fastmath without no-inf/no-nan: an inf in x gives numpy's
+# inf, not whatever an assumption would make of it.
+_ROWS = types.Array(types.float32, 2, "C")
+MATMUL_SIGNATURE = types.void(_ROWS, types.Array(types.float32, 2, "C", readonly=True), _ROWS)
+MATMUL_OPTIONS = {"parallel": True, "fastmath": {"reassoc", "contract", "arcp", "nsz"}, "nogil": True}
+ROW_BLOCK = 4  # rows of x per block (the caller pads x to a multiple); 6 columns a block, in the code below
 # How far ahead of the block being read the kernel asks for the same slot of a later block. With the KV of a whole
 # step in memory rather than in the L3, each of the two passes below read at ~10 GB/s of an 18 GB/s read roof: the
 # loop's work and its misses took turns. Prefetching 2 blocks ahead, a layer of batch-32 decode took 0.73-0.83x the
@@ -193,22 +203,70 @@ def paged_decode(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, tables: 
                     out[first + t, h * G + g, d] = acc[h, r, d] * scale[h, r]
 
 
+def rows_matmul(x: np.ndarray, wt: np.ndarray, out: np.ndarray) -> None:  # pragma: no cover - compiled
+    """out = x @ wt.T for a decode batch's few rows: x (M, K) float32 with M a multiple of ROW_BLOCK, wt (N, K) a
+    weight matrix transposed (each output column's weights contiguous), out (M, N).
+
+    OpenBLAS's GEMM copies every panel of the weights into its kernel's layout on each call; at 8 to 32 rows that
+    copy costs as much as the multiply. Here each 4 x 6 block of out is 24 dot products over k, in 24 scalar
+    accumulators: LLVM vectorises the k loop (16 floats a step with AVX-512) with every accumulator in a register,
+    so a vector of x serves 6 FMAs and one of the weights 4, and the weights are read once per 4 rows, in place. The
+    sums end in a horizontal add per accumulator. The blocks of 6 columns are spread over the cores; the last N % 6
+    columns go 4 x 1. On a 2-core Zen 4 EPYC dummy:small's 33 matrices took 0.6x OpenBLAS's time at 8 rows and 0.8x
+    at 32 (docs/engine.md)."""
+    M, K = x.shape
+    N = wt.shape[0]
+    for b in prange((N + 5) // 6):  # one parallel launch a call: each costs the workers' wake-up
+        n = b * 6
+        if n + 6 > N:  # the last N % 6 columns, 4 x 1
+            for c in range(n, N):
+                for r in range(0, M, 4):
+                    a0 = a1 = a2 = a3 = np.float32(0)
+                    for k in range(K):
+                        w = wt[c, k]
+                        a0 += x[r, k] * w; a1 += x[r + 1, k] * w; a2 += x[r + 2, k] * w; a3 += x[r + 3, k] * w  # noqa: E702
+                    out[r, c], out[r + 1, c], out[r + 2, c], out[r + 3, c] = a0, a1, a2, a3
+            continue
+        for r in range(0, M, 4):
+            a00 = a01 = a02 = a03 = a04 = a05 = np.float32(0)
+            a10 = a11 = a12 = a13 = a14 = a15 = np.float32(0)
+            a20 = a21 = a22 = a23 = a24 = a25 = np.float32(0)
+            a30 = a31 = a32 = a33 = a34 = a35 = np.float32(0)
+            for k in range(K):
+                w0, w1, w2, w3, w4, w5 = wt[n, k], wt[n + 1, k], wt[n + 2, k], wt[n + 3, k], wt[n + 4, k], wt[n + 5, k]
+                x0, x1, x2, x3 = x[r, k], x[r + 1, k], x[r + 2, k], x[r + 3, k]
+                a00 += x0 * w0; a01 += x0 * w1; a02 += x0 * w2; a03 += x0 * w3; a04 += x0 * w4; a05 += x0 * w5  # noqa: E702
+                a10 += x1 * w0; a11 += x1 * w1; a12 += x1 * w2; a13 += x1 * w3; a14 += x1 * w4; a15 += x1 * w5  # noqa: E702
+                a20 += x2 * w0; a21 += x2 * w1; a22 += x2 * w2; a23 += x2 * w3; a24 += x2 * w4; a25 += x2 * w5  # noqa: E702
+                a30 += x3 * w0; a31 += x3 * w1; a32 += x3 * w2; a33 += x3 * w3; a34 += x3 * w4; a35 += x3 * w5  # noqa: E702
+            out[r, n], out[r, n + 1], out[r, n + 2], out[r, n + 3], out[r, n + 4], out[r, n + 5] = a00, a01, a02, a03, a04, a05
+            out[r + 1, n], out[r + 1, n + 1], out[r + 1, n + 2] = a10, a11, a12
+            out[r + 1, n + 3], out[r + 1, n + 4], out[r + 1, n + 5] = a13, a14, a15
+            out[r + 2, n], out[r + 2, n + 1], out[r + 2, n + 2] = a20, a21, a22
+            out[r + 2, n + 3], out[r + 2, n + 4], out[r + 2, n + 5] = a23, a24, a25
+            out[r + 3, n], out[r + 3, n + 1], out[r + 3, n + 2] = a30, a31, a32
+            out[r + 3, n + 3], out[r + 3, n + 4], out[r + 3, n + 5] = a33, a34, a35
+
+
 @dataclass(frozen=True)
 class Compiled:
-    """The compiled kernels: `decode` (paged_decode) and `exp_rows`; what compiling them took."""
+    """The compiled kernels: `decode` (paged_decode), `exp_rows` and `matmul` (rows_matmul); what compiling them
+    took."""
 
     decode: Callable[..., None]
     exp_rows: Callable[..., None]
+    matmul: Callable[..., None]
     seconds: float
     cached: bool  # loaded from numba's on-disk cache
 
 
 def compile_kernel(cache: bool = True) -> Compiled:
-    """Compile `paged_decode` and `exp_rows`. With `cache`, numba keeps the machine code in NUMBA_CACHE_DIR (else
+    """Compile `paged_decode`, `exp_rows` and `rows_matmul`. With `cache`, numba keeps the machine code in NUMBA_CACHE_DIR (else
     __pycache__ beside this file); raises RuntimeError if no such directory is writable (a read-only root
     filesystem): compile again with cache=False."""
     started = time.perf_counter()
     decode = numba.njit(SIGNATURE, cache=cache, **OPTIONS)(paged_decode)
     tile = numba.njit(EXP_SIGNATURE, cache=cache, **EXP_OPTIONS)(exp_rows)
-    cached = all(sum(kernel.stats.cache_hits.values()) > 0 for kernel in (decode, tile))
-    return Compiled(decode, tile, time.perf_counter() - started, cached)
+    matmul = numba.njit(MATMUL_SIGNATURE, cache=cache, **MATMUL_OPTIONS)(rows_matmul)
+    cached = all(sum(kernel.stats.cache_hits.values()) > 0 for kernel in (decode, tile, matmul))
+    return Compiled(decode, tile, matmul, time.perf_counter() - started, cached)

@@ -38,7 +38,7 @@ from loguru import logger
 
 from stack.common import events
 from stack.common.logging import log_event
-from stack.engine import gemm, stopping
+from stack.engine import batched_decode, gemm, stopping
 from stack.engine.grammar import Constraint
 from stack.engine.kv_cache import KVCache, KVPool
 from stack.engine.metrics import EngineMetrics
@@ -103,8 +103,7 @@ class Scheduler:
     async def warmup(self) -> None:
         """One real forward (prefill + decode) on a throwaway cache: loads BLAS, touches the weights, and compiles the
         attention kernel (or loads it from numba's cache), so no request pays for it."""
-        if self.attention == "numpy":
-            log_event(events.ENGINE_ATTENTION, "decode attention: numpy (attention: numpy)", attention="numpy", reason="configured")
+        batched_decode.log_attention(self.attention)
         gemm.log_matmuls(self.model.matmul)
         cache = KVCache(self.model.config, 8)
         loop = asyncio.get_running_loop()

@@ -127,7 +127,7 @@ def test_prefix_caching_env_overrides_the_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("key", "variable", "default", "other", "choices", "bad"), [
     ("attention", "PD_ATTENTION", "numba", "numpy", "numba or numpy", "flash"),  # the compiled kernel | attention.py
-    ("gemm", "PD_GEMM", "auto", "numpy", "auto, mkl or numpy", "cublas"),  # MKL on Intel CPUs | OpenBLAS
+    ("gemm", "PD_GEMM", "auto", "numpy", "auto, mkl, numba or numpy", "cublas"),  # MKL on Intel CPUs | OpenBLAS
 ])
 def test_engine_arms_default_and_their_variable_switches_them(tmp_path: Path, key: str, variable: str, default: str,
                                                               other: str, choices: str, bad: str) -> None:
@@ -181,16 +181,19 @@ def test_shipped_configs_start_and_report_ignored_fields(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize(("arm", "matmuls", "expected"), [
-    ("numba", "", "mkl" if gemm.cpu_vendor() == gemm.INTEL else "numpy"),  # the default, auto
+    ("numba", "", "mkl" if gemm.cpu_vendor() == gemm.INTEL else "numba"),  # the default, auto
     ("numba", "mkl", "mkl"),
+    ("numpy", "numba", "numba"),
     ("numpy", "numpy", "numpy"),
 ])
 def test_the_warm_up_readies_the_attention_and_says_what_the_matmuls_run_on(tmp_path: Path, arm: str, matmuls: str,
                                                                              expected: str) -> None:
     """One engine.attention line, before service.ready: the kernel compiled (or loaded from numba's cache) by the
-    warm-up, not by the first request; or numpy, as PD_ATTENTION=numpy configures. And one engine.gemm line naming the
-    CPU's vendor: by default mkl on an Intel CPU and numpy on others; mkl on any CPU with PD_GEMM=mkl (MKL is a
-    runtime dependency, so it must load: no mkl_missing warning); numpy with PD_GEMM=numpy."""
+    warm-up, not by the first request, on oneTBB's threads (the tbb wheel is a dependency: a launch on workqueue's
+    costs ~30x); or numpy, as PD_ATTENTION=numpy configures, even when the weight matmuls compile the kernels. And
+    one engine.gemm line naming the CPU's vendor: by default mkl on an Intel CPU and numba on others; mkl on any CPU
+    with PD_GEMM=mkl (MKL is a runtime dependency, so it must load: no mkl_missing warning); numba or numpy as
+    PD_GEMM says."""
     engine = EngineProcess(tmp_path, "both", {"model": "tiny", "role": "both", "checkpoint": "dummy:tiny"},
                            env={"PD_ATTENTION": arm, "PD_GEMM": matmuls})
     try:
@@ -201,7 +204,7 @@ def test_the_warm_up_readies_the_attention_and_says_what_the_matmuls_run_on(tmp_
         line = engine.events("engine.attention")[0]
         assert line["attention"] == arm
         if arm == "numba":
-            assert line["kernel_ms"] > 0 and isinstance(line["kernel_cached"], bool)
+            assert line["kernel_ms"] > 0 and isinstance(line["kernel_cached"], bool) and line["threading_layer"] == "tbb"
         else:
             assert line["reason"] == "configured"
         line = engine.events("engine.gemm")[0]
