@@ -116,8 +116,8 @@ def compiled() -> Compiled | None:
         log_event(events.ENGINE_ATTENTION, f"numba cannot be imported ({exc}): decode attention and the weight matmuls run on numpy",
                   "WARNING", attention="numpy", reason="numba_missing")
         return None
+    _load_tbb()  # for the tbb layer, ours or an operator's NUMBA_THREADING_LAYER=tbb
     if "NUMBA_THREADING_LAYER" not in os.environ:  # an operator's choice wins
-        _load_tbb()
         numba.config.THREADING_LAYER = "default"  # the first of the priority list that loads
         numba.config.THREADING_LAYER_PRIORITY = THREADING_LAYERS
     try:
