@@ -184,11 +184,13 @@ def _in_own_thread(fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
 
     def run() -> None:
         try:
-            result = fn(*args)
+            outcome: tuple[T | None, BaseException | None] = (fn(*args), None)
         except BaseException as exc:  # handed to the awaiting task, raised there
-            loop.call_soon_threadsafe(settle, None, exc)
-        else:
-            loop.call_soon_threadsafe(settle, result, None)
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop closed meanwhile (its engine stopped): nobody awaits this push any more
+            pass
 
     threading.Thread(target=run, name="kv-push", daemon=True).start()
     return future

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 
 import numpy as np
 
 from stack.engine import kv_wire
-from stack.engine.kv_transfer import prompt_hash
+from stack.engine.kv_transfer import _in_own_thread, prompt_hash
 from stack.engine.kv_wire import KVHeader, KVTrailer, Reply
 from stack.engine.model import Model
 
@@ -285,3 +286,31 @@ async def test_a_decode_leg_whose_client_leaves_while_waiting_stops_waiting(engi
     status, body = await push(prefill, chat(), "t-gone", decode.kv_addr)
     assert status == 502 and body["error"]["code"] == "kv_claim_expired"
     assert consumer.buffer_used == 0 and consumer.held_transfers == 0
+
+
+def test_a_push_that_ends_after_its_loop_closed_ends_quietly() -> None:
+    """A push thread that finishes after its engine's event loop closed (the engine stopped while a transfer was in
+    flight) has nobody to tell: it ends without an exception in the thread (it used to raise "Event loop is
+    closed" there, which pytest and the interpreter print as an unhandled thread exception)."""
+    release, finished = threading.Event(), threading.Event()
+    failures: list[BaseException] = []
+    hook = threading.excepthook
+    threading.excepthook = lambda args: failures.append(args.exc_value)  # type: ignore[assignment]
+
+    def slow_push() -> str:
+        release.wait(10)
+        finished.set()
+        return "pushed"
+
+    async def start() -> None:
+        _in_own_thread(slow_push)
+
+    try:
+        asyncio.run(start())  # the loop is closed when run returns; the push is still going
+        release.set()
+        assert finished.wait(10)
+        for thread in [t for t in threading.enumerate() if t.name == "kv-push"]:
+            thread.join(10)
+    finally:
+        threading.excepthook = hook
+    assert failures == []
