@@ -4,7 +4,7 @@ Causes told apart:
 - kv_port mismatch: kv_producer.connect_failed to decode:X (refused) while decode's
   kv_consumer.listening says kv_port Y (the router gave prefill another port than decode's own);
 - KV port unreachable (network cut, firewall, DNS): connect_failed with a timeout / no route error,
-  or kv_consumer.incomplete (connection closed mid-payload);
+  or kv_consumer.incomplete (connection closed mid-payload) of a request its caller had not abandoned;
 - transfers larger than kv_buffer_size: kv_consumer.buffer_full / kv_producer.rejected buffer_full,
   with the prompt sizes that failed vs the largest that succeeded (kv_producer.sent num_tokens);
 - decode waited and timed out: kv_consumer.timeout with no kv_producer.sent for that transfer;
@@ -104,7 +104,7 @@ def _connect_failures(ctx: Context) -> list[Finding]:
                 f"docker compose logs decode | grep kv_consumer.listening, or {ASK_DECODE}; compare with "
                 f"kv_transfer_config.kv_port in decode/config.json and KV_TRANSFER_PORT in .env; {RESTART}",
                 refused[:3] + listening[:1] + related[:2], _rids(refused)))
-    incomplete = ctx.by_event(events.KV_CONSUMER_INCOMPLETE)
+    incomplete = [r for r in ctx.by_event(events.KV_CONSUMER_INCOMPLETE) if not _abandoned(ctx, r)]
     if unreachable or incomplete:
         addrs = sorted({r[events.DECODE_KV_ADDR] or "?" for r in unreachable})
         target = next((hp for a in addrs if (hp := _host_port(a))), None)
@@ -126,6 +126,14 @@ def _connect_failures(ctx: Context) -> list[Finding]:
             unreachable[:3] + incomplete[:2] + _same_requests(router_side, unreachable + incomplete)[:2],
             _rids(unreachable + incomplete)))
     return out
+
+
+def _abandoned(ctx: Context, cut: Record) -> bool:
+    """Was the cut transfer's request abandoned by its caller? The prefill then stopped its push (the leg cancelled),
+    decode saw the connection close mid-payload, and long_prompt.abandoned names that cause: no network to blame
+    (found by killing the router under agent-sized streams). A push the network cut fails the prefill's leg instead,
+    which is no abandonment. (No clock comparison: the services' clocks may differ.)"""
+    return any(r.request_id == cut.request_id != "-" for r in ctx.by_event(events.ENGINE_REQUEST_ABANDONED))
 
 
 def _same_requests(candidates: list[Record], anchors: list[Record]) -> list[Record]:

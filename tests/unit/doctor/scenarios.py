@@ -411,4 +411,6 @@ def every_event(log: Log, rid: str = "every-event") -> None:
     for event in events.ALL.values():
         service = {events.ANY: "router", events.ENGINE: "decode"}.get(event.service, event.service)
         fields = {name: field.example for name, field in event.fields.items()}
-        log.ev(service, event, f"{event} (every declared field)", rid, **fields)
+        # An abandoned request explains its own cut KV transfer (doctor/checks/kv_transfer.py): another request's.
+        own = f"{rid}-abandoned" if event is events.ENGINE_REQUEST_ABANDONED else rid
+        log.ev(service, event, f"{event} (every declared field)", own, **fields)

@@ -6,7 +6,7 @@ import pytest
 
 from stack.common import events
 from tests.unit.doctor.helpers import by_id, diagnose
-from tests.unit.doctor.scenarios import Log
+from tests.unit.doctor.scenarios import Log, startup
 
 
 def services(finding) -> set[str]:
@@ -187,6 +187,27 @@ def test_kv_cut_mid_payload_without_any_port_in_the_logs_says_the_port_is_unknow
     assert "9100" not in f.fix
 
 
+def test_a_push_cut_because_its_caller_left_blames_the_caller_not_the_network(tmp_path):
+    """The router killed under agent-sized streams: the prefill's leg is abandoned, it stops the prefill and its KV
+    push, and decode (its clock 3 s behind here) logs the transfer cut mid-payload. That is long_prompt.abandoned, not
+    a network problem: no kv.unreachable. The same cut of a request nobody abandoned still is one."""
+    log = Log()
+    startup(log)
+    log.ev("prefill", events.ENGINE_REQUEST_ABANDONED, "caller closed the connection after 4071.0 ms: cancelling",
+           "req-left", prompt_tokens=5445, pd_leg="prefill", waited_ms=4071.0)
+    log.ev("decode", events.KV_CONSUMER_INCOMPLETE, "KV connection from 172.20.0.3:47108 closed after 33454080 of "
+           "89210880 payload bytes", "req-left", transfer_id="kv-left", received=33454080, bytes=89210880,
+           peer="172.20.0.3:47108")
+    log.write(tmp_path / "left.log", "v2")
+    findings, _ = diagnose(tmp_path / "left.log")
+    assert [f.id for f in findings] == ["long_prompt.abandoned"]
+    log.ev("decode", events.KV_CONSUMER_INCOMPLETE, "KV connection from 172.20.0.3:47110 closed after 4096 of 81920 "
+           "payload bytes", "req-cut", transfer_id="kv-cut", received=4096, bytes=81920, peer="172.20.0.3:47110")
+    log.write(tmp_path / "both.log", "v2")
+    findings, _ = diagnose(tmp_path / "both.log")
+    assert by_id(findings, "kv.unreachable").request_ids == ("req-cut",)
+
+
 @pytest.mark.parametrize("bundle", ["auth_mixed.log", "decode_failed.log", "kv_buffer_full.log", "kv_model_mismatch.log",
                                     "kv_port_mismatch.log", "kv_timeout.log", "kv_unreachable.log", "stream_cut.log"])
 def test_fixes_name_the_config_files_where_they_live(bundles, bundle):
@@ -198,7 +219,7 @@ def test_fixes_name_the_config_files_where_they_live(bundles, bundle):
 def test_kv_port_the_router_was_given_but_decode_does_not_use(tmp_path):
     """router.kv_port_mismatch (the router pushes to decode's reported port, requests work) → a warning naming
     both ports and where each came from, with the router's and decode's lines as evidence; no refused-port error."""
-    from tests.unit.doctor.scenarios import request, startup
+    from tests.unit.doctor.scenarios import request
 
     log = Log()
     startup(log, kv_port=9200)
@@ -219,7 +240,7 @@ def test_kv_port_the_router_was_given_but_decode_does_not_use(tmp_path):
 def test_a_caller_refused_by_an_engine_is_a_router_bypass(tmp_path):
     """internal_auth.rejected on decode (a client called the engine directly; it answers only the router's key)
     → engine.bypass_refused, a warning naming the caller's address, with decode's line as evidence."""
-    from tests.unit.doctor.scenarios import request, startup
+    from tests.unit.doctor.scenarios import request
 
     log = Log()
     startup(log)
