@@ -13,7 +13,8 @@ bandwidth, memory read bandwidth, the BLAS threadpoolctl sees, loopback socket b
   (weights + the batch's KV) bytes per step / the copy bandwidth (the issue's bound) and / the read bandwidth (the
   roof of a step that only reads); once per --attention arm (numba: the engine's
   compiled kernel, its default; numpy: attention.py) and --gemm arm (auto: the engine's default, mkl on an Intel
-  CPU and numba elsewhere; mkl: MKL's packed GEMM; numba: the compiled kernel; numpy: OpenBLAS), the arms of a point run back to back;
+  CPU and numba elsewhere; mkl: MKL's packed GEMM; numba: the compiled kernel; numpy: OpenBLAS), the arms of a
+  point run back to back;
 - peak resident memory of the longest prefill and of the largest batch x context (sampled while it runs);
 - attention on one thread vs spread over the cores (paired runs), for the largest decode batch and a prefill;
 - one layer's decode attention of the largest batch, numpy vs the engine's compiled kernel (attention_kernels.py);

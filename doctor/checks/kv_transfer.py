@@ -104,7 +104,11 @@ def _connect_failures(ctx: Context) -> list[Finding]:
                 f"docker compose logs decode | grep kv_consumer.listening, or {ASK_DECODE}; compare with "
                 f"kv_transfer_config.kv_port in decode/config.json and KV_TRANSFER_PORT in .env; {RESTART}",
                 refused[:3] + listening[:1] + related[:2], _rids(refused)))
-    incomplete = [r for r in ctx.by_event(events.KV_CONSUMER_INCOMPLETE) if not _abandoned(ctx, r)]
+    # A transfer cut because its request's caller left (an engine logged it abandoned; the prefill then stopped its
+    # push) is long_prompt.abandoned's, not the network's: a push the network cuts fails the prefill's leg instead.
+    # Found by killing the router under agent-sized streams. Matched by request id: the services' clocks may differ.
+    abandoned = {r.request_id for r in ctx.by_event(events.ENGINE_REQUEST_ABANDONED)} - {"-"}
+    incomplete = [r for r in ctx.by_event(events.KV_CONSUMER_INCOMPLETE) if r.request_id not in abandoned]
     if unreachable or incomplete:
         addrs = sorted({r[events.DECODE_KV_ADDR] or "?" for r in unreachable})
         target = next((hp for a in addrs if (hp := _host_port(a))), None)
@@ -126,14 +130,6 @@ def _connect_failures(ctx: Context) -> list[Finding]:
             unreachable[:3] + incomplete[:2] + _same_requests(router_side, unreachable + incomplete)[:2],
             _rids(unreachable + incomplete)))
     return out
-
-
-def _abandoned(ctx: Context, cut: Record) -> bool:
-    """Was the cut transfer's request abandoned by its caller? The prefill then stopped its push (the leg cancelled),
-    decode saw the connection close mid-payload, and long_prompt.abandoned names that cause: no network to blame
-    (found by killing the router under agent-sized streams). A push the network cut fails the prefill's leg instead,
-    which is no abandonment. (No clock comparison: the services' clocks may differ.)"""
-    return any(r.request_id == cut.request_id != "-" for r in ctx.by_event(events.ENGINE_REQUEST_ABANDONED))
 
 
 def _same_requests(candidates: list[Record], anchors: list[Record]) -> list[Record]:

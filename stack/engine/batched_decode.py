@@ -146,8 +146,7 @@ def log_attention(attention: str) -> None:
         return
     import numba
 
-    launch(done.matmul, *(np.zeros(shape, np.float32) for shape in ((4, 1), (1, 1), (4, 1))))  # starts numba's layer
-    layer = numba.threading_layer()
+    layer = numba.threading_layer()  # started by compiling (or loading) the parallel kernels
     how = "loaded from numba's cache" if done.cached else "compiled"
     log_event(events.ENGINE_ATTENTION, f"decode attention: the numba kernel, {how} in {done.seconds * 1000:.0f} ms, "
               f"on numba's {layer} threads", attention="numba", kernel_ms=round(done.seconds * 1000, 1),

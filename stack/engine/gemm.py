@@ -160,8 +160,8 @@ class CompiledMatmul:
     def __init__(self, kernel: Callable[..., None], weights: Weights, row_block: int) -> None:
         self._kernel = kernel
         self._row_block = row_block  # kernels.ROW_BLOCK (that module imports numba: not imported here)
-        # id(w) -> (w, w transposed, C-contiguous and read-only as w is); w is kept so that its id is never another array's
-        self._transposed = {id(w): (w, _frozen(np.ascontiguousarray(w.T))) for w in weight_matrices(weights)}
+        # id(w) -> (w, w transposed and C-contiguous); w is kept so that its id is never another array's
+        self._transposed = {id(w): (w, np.ascontiguousarray(w.T)) for w in weight_matrices(weights)}
 
     def __call__(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         rows = x.shape[0]
@@ -176,11 +176,6 @@ class CompiledMatmul:
         out = np.empty((padded, w.shape[1]), np.float32)  # (padded, n)
         batched_decode.launch(self._kernel, x, entry[1], out)
         return out[:rows]
-
-
-def _frozen(array: np.ndarray) -> np.ndarray:
-    array.setflags(write=False)
-    return array
 
 
 def weight_matrices(weights: Weights) -> list[np.ndarray]:

@@ -43,8 +43,8 @@ OPTIONS = {"parallel": True, "fastmath": True, "nogil": True}
 # its no-inf/no-nan assumptions: the sums may still be reassociated (vectorised).
 EXP_SIGNATURE = "void(float32[:, ::1], float32[::1], float32[::1])"
 EXP_OPTIONS = {"fastmath": {"reassoc", "contract", "arcp", "nsz", "afn"}, "nogil": True}
-# rows_matmul: x (M, K) with M a multiple of ROW_BLOCK, a weight matrix transposed (N, K), read-only as the weights
-# are (a tied lm_head's is the embedding itself; a writable one converts), out (M, N). Parallel: the weight matmuls
+# rows_matmul: x (M, K) with M a multiple of ROW_BLOCK, a weight matrix transposed (N, K), taken read-only (a tied
+# lm_head's is the frozen embedding itself; a writable copy converts), out (M, N). Parallel: the weight matmuls
 # run one at a time on forward's thread. Like exp_rows, fastmath without no-inf/no-nan: an inf in x gives numpy's
 # inf, not whatever an assumption would make of it.
 _ROWS = types.Array(types.float32, 2, "C")
