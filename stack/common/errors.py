@@ -4,7 +4,7 @@ Handlers raise `APIError` subclasses; `error_middleware(render)` maps them (and 
 exception, as a 500 without a stack trace) to a JSON response in the API's own shape. The engine
 uses `openai_error_body`; the router picks a shape per endpoint (OpenAI, Anthropic, Responses).
 `request_id_middleware` gives every request an id (X-Request-ID accepted, or a new one), puts it
-in the logging context and echoes it on the response.
+in the logging context and echoes it on the response (the engines'); the router mints its own (`enter_request`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from aiohttp import web
 from loguru import logger
 
 from stack.common import events, json_text
-from stack.common.logging import REQUEST_ID, log_event, request_context
+from stack.common.logging import REQUEST_ID, RequestTokens, enter_context, log_event, request_context
 
 REQUEST_ID_HEADER = "X-Request-ID"
 
@@ -126,32 +126,38 @@ def error_response(request: web.Request, err: APIError, render: Renderer = lambd
     return web.json_response(render(request, err), status=err.status, headers=headers, dumps=json_text.dumps)
 
 
+def error_answer(request: web.Request, exc: Exception, render: Renderer = lambda _r, e: openai_error_body(e)) -> web.Response:
+    """The one mapping of an exception to an error answer in the API's shape (`error_middleware`, and the router's front
+    middleware). An HTTP exception below 400 (a redirect) is raised again: it is an answer, not an error."""
+    if isinstance(exc, APIError):
+        # Client mistakes and capacity (a full queue, no slot in time: 503 with Retry-After) are WARNING; only
+        # faults of ours or of a backend (500, 502, 504) are ERROR.
+        level = "WARNING" if exc.status < 500 or isinstance(exc, Overloaded) else "ERROR"
+        event = events.HTTP_BAD_REQUEST if exc.status < 500 else events.HTTP_ERROR
+        log_event(event, exc.message, level, status=exc.status, type=exc.type, code=exc.code)
+        return error_response(request, exc, render)
+    if isinstance(exc, web.HTTPException):
+        if exc.status < 400:
+            raise exc
+        # aiohttp's own 404/405/413 become errors in the API's shape.
+        mapped = {404: NotFound, 405: InvalidRequest, 413: PayloadTooLarge}.get(exc.status, InvalidRequest)
+        err = mapped(f"{exc.reason}: {request.method} {request.path}" if exc.status in (404, 405) else exc.reason, code=str(exc.status))
+        err.status = exc.status
+        log_event(events.HTTP_BAD_REQUEST, err.message, "WARNING", status=err.status, type=err.type)
+        return error_response(request, err, render)
+    logger.bind(event=events.HTTP_ERROR).opt(exception=exc).error(f"unhandled error on {request.method} {request.path}")
+    return error_response(request, ServerError("internal error; see the service log for this request id"), render)
+
+
 def error_middleware(render: Renderer = lambda _r, e: openai_error_body(e)) -> Callable:
-    """The single place where exceptions become HTTP error bodies."""
+    """The single place where exceptions become HTTP error bodies (`error_answer`)."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         try:
             return await handler(request)
-        except APIError as err:
-            # Client mistakes and capacity (a full queue, no slot in time: 503 with Retry-After) are WARNING; only
-            # faults of ours or of a backend (500, 502, 504) are ERROR.
-            level = "WARNING" if err.status < 500 or isinstance(err, Overloaded) else "ERROR"
-            event = events.HTTP_BAD_REQUEST if err.status < 500 else events.HTTP_ERROR
-            log_event(event, err.message, level, status=err.status, type=err.type, code=err.code)
-            return error_response(request, err, render)
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            # aiohttp's own 404/405/413 become errors in the API's shape.
-            mapped = {404: NotFound, 405: InvalidRequest, 413: PayloadTooLarge}.get(exc.status, InvalidRequest)
-            err = mapped(f"{exc.reason}: {request.method} {request.path}" if exc.status in (404, 405) else exc.reason, code=str(exc.status))
-            err.status = exc.status
-            log_event(events.HTTP_BAD_REQUEST, err.message, "WARNING", status=err.status, type=err.type)
-            return error_response(request, err, render)
-        except Exception:
-            logger.bind(event=events.HTTP_ERROR).opt(exception=True).error(f"unhandled error on {request.method} {request.path}")
-            return error_response(request, ServerError("internal error; see the service log for this request id"), render)
+        except Exception as exc:
+            return error_answer(request, exc, render)
 
     return middleware
 
@@ -165,19 +171,17 @@ def new_id() -> str:
 CLIENT_REQUEST_ID = web.RequestKey("client_request_id", str)  # the X-Request-ID a client sent, when ours is minted (below)
 
 
-@web.middleware
-async def unique_request_id_middleware(request: web.Request,
-                                       handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+def enter_request(request: web.Request) -> RequestTokens:
     """The router's: every request gets a fresh id (response ids, logs, the engine legs are named by it), so two
     requests never share one. A client's X-Request-ID is kept as `client_request_id` (on every log line of the request)
-    and echoed back in X-Client-Request-ID; our id goes back in X-Request-ID."""
+    and echoed back in X-Client-Request-ID; our id goes back in X-Request-ID (`echo_request_ids`, whoever answers).
+    The ids are the logging context until `leave_request` (the router's front middleware, app.py)."""
     request_id = new_id()
     client_id = request.headers.get(REQUEST_ID_HEADER, "").strip()[:128]
     request[REQUEST_ID] = request_id
     if client_id:
         request[CLIENT_REQUEST_ID] = client_id
-    with request_context(request_id, client_id or None):
-        return await handler(request)  # echo_request_ids puts the ids on the answer, whoever sends it
+    return enter_context(request_id, client_id or None)
 
 
 CLIENT_REQUEST_ID_HEADER = "X-Client-Request-ID"

@@ -33,7 +33,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from datetime import datetime
 from json.encoder import encode_basestring as _quote  # a str as a JSON string literal (C; UTF-8 kept, as _ENCODE)
 from types import FrameType
@@ -217,16 +217,28 @@ def client_request_id() -> str | None:
     return _client_request_id.get()
 
 
+RequestTokens = tuple[Token[str], Token[str | None]]
+
+
+def enter_context(request_id: str, client_request_id: str | None = None) -> RequestTokens:
+    """`request_context` without the context manager (the router's front middleware, where every call on a request's
+    path counts): the same ids set, until `leave_context` with what this returned."""
+    return _request_id.set(request_id), _client_request_id.set(client_request_id)
+
+
+def leave_context(tokens: RequestTokens) -> None:
+    _client_request_id.reset(tokens[1])
+    _request_id.reset(tokens[0])
+
+
 @contextmanager
 def request_context(request_id: str, client_request_id: str | None = None) -> Iterator[None]:
     """Lines logged inside (and in tasks started inside) carry `request_id`, and `client_request_id` when given."""
-    token = _request_id.set(request_id)
-    client_token = _client_request_id.set(client_request_id)
+    tokens = enter_context(request_id, client_request_id)
     try:
         yield
     finally:
-        _client_request_id.reset(client_token)
-        _request_id.reset(token)
+        leave_context(tokens)
 
 
 def log_event(event: str, msg: str, level: str = "INFO", **fields: Any) -> None:

@@ -1,4 +1,4 @@
-"""Limits a JSON request body must meet before any parser or handler sees it (the router's guard runs this).
+"""Limits a JSON request body must meet before any parser or handler sees it (the router's front middleware runs this).
 
 Python's json module recurses once per nesting level (a body nested ~1,000 deep raises RecursionError,
 and every recursive walk after the parse would too) and refuses integer literals over 4,300 digits
@@ -6,7 +6,7 @@ with a ValueError. Both are client mistakes, so they are found here, on the raw 
 400 naming the limit. The scan drops every string's text with three C-level byte operations (two
 `replace` for the escapes, one `split` on the quotes) and looks at what is left: brackets, numbers and
 literals, a few hundred bytes in an agent's 30 kB request of prose and tool schemas. A regex that blanked the
-strings cost ~0.35 ms there; the guard still scans bodies past 256 kB in a worker thread.
+strings cost ~0.35 ms there; the router still scans bodies past 256 kB in a worker thread.
 
     check_body(raw)    InvalidRequest: nesting deeper than MAX_DEPTH, a number longer than MAX_NUMBER_CHARS,
                        a lone UTF-16 surrogate escape (no engine can tokenize it)

@@ -1,12 +1,11 @@
-"""The router application: `create_app(config)` wires middlewares, state and routes.
+"""The router application: `create_app(config)` wires the front middleware, state and routes.
 
-Middlewares, outermost first: request id (a fresh one per request; a client's X-Request-ID kept as
-`client_request_id` and echoed in X-Client-Request-ID) → errors (the one boundary that turns
-exceptions into bodies: Anthropic's shape under /v1/messages, OpenAI's elsewhere) → guard (the
-unified key on every /v1 route; on POSTs the body, read within `server.body_timeout_ms` and checked
-against the JSON limits of stack.common.safe_json, before the request counts as in flight; per-key
-limits, usage and the `router.request_done` line around generation routes). `/health`, `/metrics`
-and `/api/hello` (Claude Code's connection probe) are open.
+One middleware, `front`, does for every request, in order: a fresh request id (a client's X-Request-ID kept as
+`client_request_id` and echoed in X-Client-Request-ID); the unified key on every /v1 route, and on POSTs the body,
+read within `server.body_timeout_ms` and checked against the JSON limits of stack.common.safe_json, before the
+request counts as in flight; per-key limits, usage and the `router.request_done` line around generation routes; and
+the one boundary that turns exceptions into bodies (Anthropic's shape under /v1/messages, OpenAI's elsewhere).
+`/health`, `/metrics` and `/api/hello` (Claude Code's connection probe) are open.
 """
 
 from __future__ import annotations
@@ -25,10 +24,10 @@ from stack.common import events
 from stack.common.config import ConfigError
 from stack.common import internal_auth, safe_json
 from stack.common.errors import (
-    APIError, PayloadTooLarge, RequestTimeout, UnsupportedMediaType, echo_request_ids,
-    error_middleware, openai_error_body, unique_request_id_middleware,
+    APIError, PayloadTooLarge, RequestTimeout, UnsupportedMediaType, echo_request_ids, enter_request, error_answer,
+    openai_error_body,
 )
-from stack.common.logging import SUMMARY_LOGGED, log_event
+from stack.common.logging import SUMMARY_LOGGED, leave_context, log_event
 from stack.router.api import anthropic, openai, responses, tokens
 from stack.router.appkeys import CALLER, CONFIG, INTERNAL_KEY, KEYRING, LIMITER, METRICS, PD, REGISTRY, STREAM_ERROR, TOKENS, USAGE
 from stack.router.auth import Caller, KeyRing
@@ -56,23 +55,24 @@ def render_error(request: web.Request, err: APIError) -> dict:
 
 
 @web.middleware
-async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Authenticate /v1 routes; admit, count and charge generation requests for their key."""
-    if not request.path.startswith("/v1/") or request.match_info.http_exception is not None:
-        return await handler(request)  # open routes, and unknown paths (their 404/405 needs no key)
-    keyring = request.app[KEYRING]
-    api = _GENERATION.get(request.path)
-    if api is None:
-        request[CALLER] = keyring.authenticate(request.headers)
-        await _read_body(request)
-        return await handler(request)
-    limiter = request.app[LIMITER]
-    started = time.perf_counter()
+async def front(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every request, in one middleware: its ids, the unified key and limits on /v1 routes, the one error boundary.
+
+    One layer, not three: each layer of aiohttp's middleware chain is a coroutine every request creates, and a frame
+    every stream chunk resumes on its way down to the relay (docs/router-performance.md)."""
+    tokens = enter_request(request)  # X-Request-ID, the client's id kept, the logging context
+    api: str | None = None
     status, caller, slot, charge = 500, None, "", None
+    started = time.perf_counter()
     try:
-        request[CALLER] = keyring.authenticate(request.headers)
+        if not request.path.startswith("/v1/") or request.match_info.http_exception is not None:
+            return await handler(request)  # open routes, and unknown paths (their 404/405 needs no key)
+        api = _GENERATION.get(request.path)
+        request[CALLER] = request.app[KEYRING].authenticate(request.headers)
         await _read_body(request)  # a body that never arrives must not hold one of the key's slots
-        slot = await limiter.admit(request[CALLER])
+        if api is None:
+            return await handler(request)
+        slot = await request.app[LIMITER].admit(request[CALLER])
         caller = request[CALLER]
         response = await handler(request)
         status = response.status
@@ -88,19 +88,22 @@ async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
             except ConnectionResetError:
                 request[STREAM_ERROR] = "client_disconnected"
         return response
-    except APIError as err:
-        status = err.status
-        raise
     except asyncio.CancelledError:
         status = 499  # nginx's "client closed request": the handler was cancelled because the client left
         request[STREAM_ERROR] = "client_disconnected"
         raise
+    except Exception as exc:
+        answer = error_answer(request, exc, render_error)  # the error body in the API's shape (Anthropic's, OpenAI's)
+        status = answer.status
+        return answer
     finally:
-        e2e = time.perf_counter() - started
-        request.app[METRICS].observe_request(api, status, e2e)  # rejected requests count too
-        if caller is not None:
-            # Shielded: a client that leaves cancels the handler, and its slot must still be given back.
-            await asyncio.shield(_request_done(request, api, caller, slot, status, e2e, charge))
+        if api is not None:
+            e2e = time.perf_counter() - started
+            request.app[METRICS].observe_request(api, status, e2e)  # rejected requests count too
+            if caller is not None:
+                # Shielded: a client that leaves cancels the handler, and its slot must still be given back.
+                await asyncio.shield(_request_done(request, api, caller, slot, status, e2e, charge))
+        leave_context(tokens)
 
 
 _THREAD_SCAN_BYTES = 256 * 1024  # bigger bodies are checked in a worker thread (~50 ms a MB)
@@ -195,7 +198,7 @@ def create_app(config: RouterConfig, env: Mapping[str, str] | None = None) -> we
     """The router app for `config`; keys are read from `env` (default: the process environment)."""
     env = os.environ if env is None else env
     # One byte over the limit is enough for read_json to tell "too large" with its precise message.
-    app = web.Application(middlewares=[unique_request_id_middleware, error_middleware(render_error), guard],
+    app = web.Application(middlewares=[front],
                           client_max_size=config.server.max_body_bytes + 1)
     app.on_response_prepare.append(echo_request_ids)
     app[CONFIG] = config

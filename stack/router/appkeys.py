@@ -21,7 +21,7 @@ PD = web.AppKey("pd", PDClient)
 REGISTRY = web.AppKey("p2pnccl_registry", Registry)  # only when [p2pnccl] registry_port is set
 INTERNAL_KEY = web.AppKey("internal_key", str)  # PD_INTERNAL_KEY, sent to the engines; "" = none set
 
-# Per-request state the guard middleware and the handlers share.
+# Per-request state the front middleware and the handlers share.
 CALLER = web.RequestKey("caller", Caller)  # the authenticated key
 TOKENS = web.RequestKey("tokens", tuple)  # (prompt_tokens, completion_tokens) the request used
 STREAM_ERROR = web.RequestKey("stream_error", str)  # why a started stream ended early (error type or client_disconnected)

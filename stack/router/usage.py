@@ -11,7 +11,7 @@ The promise is unchanged: `await durable()` returns once every request added so 
 and the router awaits it before it logs `router.request_done`, so a `kill -9` loses no request
 whose `request_done` was logged (tests/chaos: router kill -9). What a kill can lose is only the
 requests of the turn it interrupts, none of which has its line yet. A non-streamed answer is sent once
-its tokens are charged in memory, before that turn's commit (the guard in app.py): it does not wait for
+its tokens are charged in memory, before that turn's commit (the front middleware in app.py): it does not wait for
 the file, so a kill in that turn can lose the charge of an answer its client already has. A failed write (a full disk)
 keeps the requests queued and does not hold up the requests (the totals in memory stay right);
 `flush()`, called every `usage.flush_interval_ms` and at shutdown, retries the queue.

@@ -55,7 +55,7 @@ def received(request: web.Request, api: str, model: str, stream: bool) -> None:
 
 
 def charge(request: web.Request, usage: dict[str, Any] | None) -> None:
-    """Note the tokens a request used; the guard middleware charges them to the key when it ends."""
+    """Note the tokens a request used; the front middleware charges them to the key when it ends."""
     if usage:
         request[TOKENS] = (int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
 

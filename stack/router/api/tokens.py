@@ -22,7 +22,7 @@ from stack.router.appkeys import CALLER, CONFIG, KEYRING, PD
 
 async def _forward(request: web.Request, path: str) -> web.Response:
     if not request.app[CONFIG].server.public_tokenizer:
-        request[CALLER] = request.app[KEYRING].authenticate(request.headers)  # outside /v1: the guard does not
+        request[CALLER] = request.app[KEYRING].authenticate(request.headers)  # outside /v1: the front middleware does not
     body = await read_json(request)
     model = body.get("model")
     body["model"] = resolve_model(request, model) if isinstance(model, str) else request.app[PD].backend_model
