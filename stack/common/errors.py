@@ -175,7 +175,7 @@ def enter_request(request: web.Request) -> RequestTokens:
     """The router's: every request gets a fresh id (response ids, logs, the engine legs are named by it), so two
     requests never share one. A client's X-Request-ID is kept as `client_request_id` (on every log line of the request)
     and echoed back in X-Client-Request-ID; our id goes back in X-Request-ID (`echo_request_ids`, whoever answers).
-    The ids are the logging context until `leave_request` (the router's front middleware, app.py)."""
+    The ids are the logging context until `logging.leave_context` (the router's front middleware, app.py)."""
     request_id = new_id()
     client_id = request.headers.get(REQUEST_ID_HEADER, "").strip()[:128]
     request[REQUEST_ID] = request_id
