@@ -48,10 +48,10 @@ def _request(n: int, start: datetime, rng: random.Random) -> list[tuple]:
         t += timedelta(milliseconds=ms)
         out.append(_line(t, service, event, rid, msg, **fields))
 
-    add("router", "router.request_received", "chat request", api="chat", model="tiny", stream=True)
     add("router", "auth.accepted", "key accepted", key_name="default", header="authorization")
-    add("router", "router.scheduled", "prefill → decode", prefill="http://prefill:8000", decode="http://decode:8000",
-        policy="load_aware", mode="disaggregated", attempt=1, prefill_attempt=1)
+    add("router", "router.scheduled", "chat request: prefill → decode", api="chat", model="tiny", stream=True,
+        prefill="http://prefill:8000", decode="http://decode:8000", policy="load_aware", mode="disaggregated", attempt=1,
+        prefill_attempt=1, queue_ms=0.3)
     add("prefill", "engine.request_received", "request", prompt_tokens=prompt, max_tokens=1, stream=False,
         role="prefill", pd_leg="prefill", transfer_id=tid)
     add("prefill", "engine.prefill_done", "prefilled", ms=prompt * 0.05, prompt_tokens=prompt, prefill_ms=prompt * 0.05,

@@ -77,7 +77,7 @@ async def measure(requests: int, rounds: int) -> dict[str, list[float]]:
         client = pd.PDClient(fleet, Metrics())
 
         async def flow() -> None:
-            await client.complete("r" * 32, "/v1/chat/completions", req, dict(_BODY))
+            await client.complete("r" * 32, "chat", "/v1/chat/completions", req, dict(_BODY))
 
         async def legs() -> None:
             leg = dict(_BODY, max_tokens=1, kv_transfer_params={"do_remote_decode": True, "transfer_id": "t" * 32})

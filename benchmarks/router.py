@@ -114,9 +114,9 @@ def _bare_pd_app(prefill: str, decode: str) -> web.Application:
         pd = request.app[client_key]
         req = parse("chat", body)  # what the API front end hands the PD flow: the parsed request and its body
         if not req.stream:
-            return web.json_response(await pd.complete(rid, "/v1/chat/completions", req, body))
+            return web.json_response(await pd.complete(rid, "chat", "/v1/chat/completions", req, body))
         stream = await open_stream(request)
-        async with aclosing(pd.stream(rid, "/v1/chat/completions", req, body)) as batches:
+        async with aclosing(pd.stream(rid, "chat", "/v1/chat/completions", req, body)) as batches:
             async for batch in batches:
                 await stream.write(b"".join(frame(chunk) for chunk in batch))
         await send_done(stream)

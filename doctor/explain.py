@@ -1,6 +1,6 @@
 """`python -m doctor explain REQUEST_ID`: one request's path across the services, hop by hop, with durations.
 
-Hops: router queue (received → scheduled), prefill compute (prefill's engine.prefill_done prefill_ms),
+Hops: router queue (router.scheduled's queue_ms: parsed → scheduled), prefill compute (prefill's engine.prefill_done prefill_ms),
 KV push (kv_producer.sent transfer_ms; decode's claim wait), decode first token (KV hand-off → the
 router's decode_first_token), stream (first token → router.request_done). Containers' clocks
 disagree, so positions come from the router's own timestamps (one clock) and each engine's durations
@@ -13,9 +13,10 @@ matplotlib (the dev extra: the doctor runs on the host).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
+from doctor.parse import Record
 from doctor.timeline import Timeline
 from stack.common import events
 
@@ -27,7 +28,7 @@ COLORS = {"router": "#7f7f7f", "prefill": "#1f77b4", "kv": "#ff7f0e", "decode": 
 class Hop:
     name: str  # router queue | prefill compute | KV push | decode first token | stream
     lane: str  # router | prefill | kv | decode
-    start_ms: float  # from router.request_received, on the router's clock
+    start_ms: float  # from when the router parsed the request, on the router's clock
     duration_ms: float
     source: str  # the event.field the duration comes from
 
@@ -39,11 +40,21 @@ def _ts(value: str) -> datetime | None:
         return None
 
 
+def _start(router: dict[str, Record], t: Timeline) -> tuple[datetime | None, str]:
+    """When the router parsed the request, and the router-queue hop's source: router.scheduled less its queue_ms
+    (older routers logged router.request_received instead); else the request's first timestamped line."""
+    scheduled, received = router.get(events.ROUTER_SCHEDULED), router.get(events.ROUTER_REQUEST_RECEIVED)
+    if received is None and scheduled is not None and scheduled[events.QUEUE_MS] is not None \
+            and (when := _ts(scheduled.ts)) is not None:
+        return when - timedelta(milliseconds=scheduled[events.QUEUE_MS]), "router.scheduled queue_ms"
+    first = received or next((r for r in t.records if r.ts), None)
+    return (_ts(first.ts) if first is not None else None), "router.request_received → router.scheduled"
+
+
 def hops(t: Timeline) -> list[Hop]:
     """The request's hops that its lines show (a failed request has fewer)."""
     router = {r.event: r for r in reversed(t.records) if r.service == "router"}  # first of each event
-    start_rec = router.get(events.ROUTER_REQUEST_RECEIVED) or next((r for r in t.records if r.ts), None)
-    t0 = _ts(start_rec.ts) if start_rec is not None else None
+    t0, queued = _start(router, t)
 
     def at(event: str) -> float | None:
         r = router.get(event)
@@ -53,7 +64,7 @@ def hops(t: Timeline) -> list[Hop]:
     out: list[Hop] = []
     scheduled = at(events.ROUTER_SCHEDULED)
     if scheduled is not None:
-        out.append(Hop("router queue", "router", 0.0, scheduled, "router.request_received → router.scheduled"))
+        out.append(Hop("router queue", "router", 0.0, scheduled, queued))
     cursor = scheduled or 0.0
     compute = next((r for r in t.events(events.ENGINE_PREFILL_DONE) if r.service in ("prefill", "engine")), None)
     prefill_done = at(events.ROUTER_PREFILL_DONE)

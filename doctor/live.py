@@ -359,7 +359,7 @@ def verify(args: argparse.Namespace, stack: Stack | None = None, model: str | No
         got = timeline.first(events.KV_CONSUMER_RECEIVED, events.KV_CONSUMER_CLAIMED)
         detail = (f"{sent[events.NUM_TOKENS]} tokens, {sent[events.BYTES]} bytes in {sent[events.TRANSFER_MS]} ms"
                   if sent else "")
-        evidence = [r for r in (timeline.first(events.ROUTER_REQUEST_RECEIVED), sent, got,
+        evidence = [r for r in (timeline.first(events.ROUTER_SCHEDULED, events.ROUTER_REQUEST_RECEIVED), sent, got,
                                 timeline.first(events.ROUTER_REQUEST_DONE)) if r is not None]
         return [finding("verify", "ok", f"verified: request {rid} went router → prefill → KV ({detail}) → decode: "
                         f"{what}", "kv_producer.sent in prefill and kv_consumer lines in decode carry the same "

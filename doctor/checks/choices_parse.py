@@ -108,7 +108,8 @@ def _usage_chunk(ctx: Context, client: list) -> list[Finding]:
             "router: send the usage chunk only when the client asked include_usage (drop it otherwise)",
             client[:2] + unasked, [r.request_id for r in unasked]))
     index_errors = ctx.client_kinds("choices_index")
-    streams = [r for r in ctx.by_event(events.ROUTER_REQUEST_RECEIVED) if r[events.STREAM]]
+    # router.scheduled names a request's stream flag (older routers logged it on router.request_received).
+    streams = [r for r in ctx.by_event(events.ROUTER_SCHEDULED, events.ROUTER_REQUEST_RECEIVED) if r[events.STREAM]]
     if index_errors and not unasked and (chunks or streams):
         out.append(finding(
             "choices.empty_choices_chunk", "warning",

@@ -4,7 +4,8 @@ Causes told apart: proxy variables (HTTP(S)_PROXY / ALL_PROXY, either case) with
 the router host, in the shell or in ~/.claude/settings.json's env block; a client base URL pointing
 at an engine port (8000, prefill/decode) instead of the router, or with/without `/v1` the wrong way;
 the router not running (no router lines / no router container); a client error that the router log
-does not contain. Relies on router.request_received and client lines (ECONNREFUSED, `Connection
+does not contain. Relies on the router's request lines (router.scheduled, router.request_done; older
+routers' router.request_received) and client lines (ECONNREFUSED, `Connection
 error.`, Codex `stream disconnected before completion`, CC Switch `local proxy failed`).
 """
 
@@ -157,7 +158,8 @@ def _router_down(ctx: Context, client: list) -> list[Finding]:
 
 
 def _not_in_router_log(ctx: Context, client: list, explained_by: list[str]) -> list[Finding]:
-    received = ctx.by_event(events.ROUTER_REQUEST_RECEIVED)
+    received = list({r.request_id: r for r in ctx.by_event(events.ROUTER_SCHEDULED, events.ROUTER_REQUEST_DONE,
+                                                           events.ROUTER_REQUEST_RECEIVED)}.values())  # a line a request
     with_ids = [r for r in client if r.request_id != "-"]
     if with_ids:
         if all(r.request_id in ctx.timelines for r in with_ids):

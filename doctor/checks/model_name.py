@@ -3,7 +3,7 @@
 Claude Code asks for claude-* names (its default and small/fast model) unless every ANTHROPIC_*_MODEL
 variable is set; the router then needs `model_aliases = ["claude-*"]` in [taotoken] of
 router/settings.toml. Relies on the router's http.bad_request (code model_not_found; its message
-names the model asked for and the one served) and router.request_received (model).
+names the model asked for and the one served).
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ def check(ctx: Context) -> list[Finding]:
         asked[m.group(1) if m else "?"] += 1
         s = _SERVED.search(r.msg)
         served = s.group(1) if s else served
-    received = [x for r in missing if (t := ctx.timelines.get(r.request_id))
-                for x in t.events(events.ROUTER_REQUEST_RECEIVED)]
     claude = sorted(m for m in asked if m.startswith("claude-"))
     names = ", ".join(f"{m!r} ×{n}" for m, n in asked.items())
     if claude:
@@ -46,5 +44,5 @@ def check(ctx: Context) -> list[Finding]:
         fix = (f"send model={served or '<the id GET /v1/models lists>'!r}, or add the name to model_aliases in "
                "router/settings.toml [taotoken] and docker compose up -d router")
     return [finding("model.not_found", "error", f"{len(missing)} request(s) asked for a model the router does not "
-                    f"serve ({', '.join(asked)})", cause, fix, received[:2] + missing[:3],
+                    f"serve ({', '.join(asked)})", cause, fix, missing[:3],
                     [r.request_id for r in missing])]

@@ -57,6 +57,7 @@ class Job:
     """A client request in the PD flow."""
 
     request_id: str
+    api: str  # the client's API: chat | completions | messages | responses (router.scheduled names it)
     path: str  # the engines' endpoint: /v1/chat/completions or /v1/completions
     req: Request
     body: dict[str, Any]  # the engine body (kv_transfer_params removed: they belong to the router)
@@ -70,8 +71,8 @@ class Job:
     shared_json: dict[str, str] = field(default_factory=dict)  # the _SHARED fields' JSON, encoded once (make); {}: small
 
     @classmethod
-    def make(cls, request_id: str, path: str, req: Request, body: dict[str, Any], headers: Mapping[str, str], stream: bool,
-             default_max_tokens: int, budgets_for: Callable[[int], Budgets]) -> Job:
+    def make(cls, request_id: str, api: str, path: str, req: Request, body: dict[str, Any], headers: Mapping[str, str],
+             stream: bool, default_max_tokens: int, budgets_for: Callable[[int], Budgets]) -> Job:
         """`budgets_for(prompt_chars) -> Budgets` (PDClient's, which knows the window and the settings)."""
         tools = json_text.dumps(body["tools"]) if "tools" in body else None  # the prompt estimate reads its length
         chars = prompt_chars(req, tools)
@@ -79,7 +80,7 @@ class Job:
             name: tools if name == "tools" else json_text.dumps(body[name]) for name in _SHARED.intersection(body)}
         clean = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # a client must not steer the KV plumbing
         prompt_tokens, max_tokens = estimate_prompt_tokens(req, chars), req.sampling.max_tokens or default_max_tokens
-        return cls(request_id, path, req, clean, headers, stream, prompt_tokens, max_tokens, prompt_tokens + max_tokens, budgets_for(chars),
+        return cls(request_id, api, path, req, clean, headers, stream, prompt_tokens, max_tokens, prompt_tokens + max_tokens, budgets_for(chars),
                    shared_json=shared)
 
     def prefill_body(self, kv_transfer_params: dict[str, Any] | None) -> bytes:

@@ -17,6 +17,7 @@ given up; its prefill slot only for the prefill leg (`release_prefill`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -92,8 +93,11 @@ class Pairing:
         tried.prefill_try += prefill is not None
         route = self.handoff.route(job.request_id, prefill or decode, decode)
         where = f"prefill {prefill.url} → decode {decode.url}" if prefill else f"decode {decode.url} computes the prompt ({self.mode})"
-        log_event(events.ROUTER_SCHEDULED, where, request_id=job.request_id, prefill=(prefill or decode).url, decode=decode.url,
-                  policy=self.settings.policy, mode=self.mode, attempt=tried.attempt, prefill_attempt=tried.prefill_try)
+        # The request's one line before its legs: what was asked (api, model, stream) and when (queue_ms before now).
+        log_event(events.ROUTER_SCHEDULED, f"{job.api} request for {job.req.model}: {where}", request_id=job.request_id,
+                  api=job.api, model=job.req.model, stream=job.stream, prefill=(prefill or decode).url, decode=decode.url,
+                  policy=self.settings.policy, mode=self.mode, attempt=tried.attempt, prefill_attempt=tried.prefill_try,
+                  queue_ms=round((time.perf_counter() - job.started) * 1000, 2))
         return Pair(decode, prefill, route, tried.attempt, tried.prefill_try)
 
     async def _acquire(self, role: str, tokens: int, exclude: set[Backend], tried: Tried) -> Backend:

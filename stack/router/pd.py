@@ -58,17 +58,17 @@ class PDClient:
         """The engines' model id (what the API handlers name upstream and in /v1/models)."""
         return self.monitor.model
 
-    def _job(self, request_id: str, path: str, req: Request, body: dict[str, Any], headers: Mapping[str, str],
+    def _job(self, request_id: str, api: str, path: str, req: Request, body: dict[str, Any], headers: Mapping[str, str],
              stream: bool) -> tuple[Job, Tried]:
-        job = Job.make(request_id, path, req, body, headers, stream, self.settings.default_max_tokens,
+        job = Job.make(request_id, api, path, req, body, headers, stream, self.settings.default_max_tokens,
                        partial(budgets, self.settings, window=self.monitor.max_model_len))
         return job, self.pairing.tried(headers, job)
 
-    async def complete(self, request_id: str, path: str, req: Request, body: dict[str, Any],
+    async def complete(self, request_id: str, api: str, path: str, req: Request, body: dict[str, Any],
                        headers: Mapping[str, str] = NO_HEADERS) -> dict[str, Any]:
-        """Run a non-streamed request (`req` parsed, `body` its engine body); the decode engine's JSON answer (with
-        usage). `headers`: the client's (session affinity)."""
-        job, tried = self._job(request_id, path, req, body, headers, False)
+        """Run a non-streamed request of the client API `api` (`req` parsed, `body` its engine body); the decode
+        engine's JSON answer (with usage). `headers`: the client's (session affinity)."""
+        job, tried = self._job(request_id, api, path, req, body, headers, False)
         leg = await self._run_within_deadline(job, tried)
         self.pairing.release_decode(tried)
         answer = leg.answer or {}
@@ -78,14 +78,14 @@ class PDClient:
         report_cached(answer.get("usage"), leg.prefill_cached)
         return answer
 
-    async def stream(self, request_id: str, path: str, req: Request, body: dict[str, Any],
+    async def stream(self, request_id: str, api: str, path: str, req: Request, body: dict[str, Any],
                      headers: Mapping[str, str] = NO_HEADERS, raw_model: str | None = None) -> AsyncIterator[list[dict[str, Any] | bytes]]:
         """4. Relay: yield the decode engine's chunks as dicts, in batches: the chunks of one network read, so the API
         writes them in one send. Always ends with a usage chunk. `headers`: the client's (session affinity). `raw_model`:
         for an API that forwards the engine's chunks as they are, an ordinary token chunk comes as its JSON bytes,
         undecoded, with this model id in (relay.Passthrough); the first chunk, the finishing one, usage and errors are
         parsed either way."""
-        job, tried = self._job(request_id, path, req, body, headers, True)
+        job, tried = self._job(request_id, api, path, req, body, headers, True)
         leg = await self._run_within_deadline(job, tried)
         tally = Tally(self.metrics, job.started)
         try:

@@ -62,14 +62,19 @@ def _turn(stack: Stack, binary: Path, workdir: Path, prompt: str, model: str | N
     affinity decisions it caused)."""
     seen, decided = len(stack.events("router")), _decisions(stack)
     run = run_claude(binary, prompt, stack.router_url, stack.api_key, workdir, model=model, resume=resume, **options)
-    # The router logs request_done as a response ends and the CLI may exit first: wait for one per received request.
+    # The router logs request_done as a response ends and the CLI may exit first: wait for one per scheduled request.
     deadline = time.monotonic() + 30
     while True:
         lines = stack.events("router")[seen:]
-        counts = Counter(line.get("event") for line in lines)
-        if counts["router.request_done"] >= counts["router.request_received"] or time.monotonic() > deadline:
+        done = sum(line.get("event") == "router.request_done" for line in lines)
+        if done >= len(_scheduled(lines)) or time.monotonic() > deadline:
             return run, lines, _decisions(stack) - decided
         time.sleep(0.3)
+
+
+def _scheduled(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The router.scheduled line of each request's first attempt (what it asked: api, model, stream)."""
+    return list({line["request_id"]: line for line in reversed(lines) if line.get("event") == "router.scheduled"}.values())
 
 
 def _figures(run: Run, lines: list[dict[str, Any]]) -> dict[str, Any]:
@@ -102,7 +107,7 @@ def _check_turn(stack: Stack, run: Run, lines: list[dict[str, Any]], model: str 
     result = run.result
     summary = {key: result.get(key) for key in ("subtype", "is_error", "result", "terminal_reason", "api_error_status", "num_turns")}
     assert _ended_well(run), (run.returncode, summary, run.stderr[-2000:], _problems(stack, lines))
-    received = [line for line in lines if line.get("event") == "router.request_received"]
+    received = _scheduled(lines)
     done = [line for line in lines if line.get("event") == "router.request_done"]
     assert received and len(done) == len(received), (received, done)
     assert [line.get("status") for line in done] == [200] * len(done), done

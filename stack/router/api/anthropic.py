@@ -27,7 +27,7 @@ from stack.protocol.fields import Fields
 from stack.protocol.types import Request
 from stack.router.api.anthropic_request import parse_messages_request
 from stack.router.api.anthropic_response import EventRelay, anthropic_error_body, message_body
-from stack.router.api.common import capabilities, charge, engine_body, read_json, received, relay
+from stack.router.api.common import capabilities, charge, engine_body, read_json, relay
 from stack.router.api.openai import CHAT_PATH
 from stack.router.appkeys import PD
 from stack.router.job import estimate_prompt_tokens
@@ -75,7 +75,6 @@ async def messages(request: web.Request) -> web.StreamResponse:
     max_tokens = Fields(body).integer("max_tokens", minimum=1, required=True)
     req = parse_messages_request(body, max_tokens, capabilities(request))
     upstream = engine_body(request, req, "messages", names=_NAMES)
-    received(request, "messages", req.model, req.stream)
     clamped, counted = await _fit_context(request, upstream)
     if req.sampling.stop:
         upstream["include_stop_str_in_output"] = True  # to tell which stop matched (cut_stop); ignored by engines without it
@@ -85,9 +84,9 @@ async def messages(request: web.Request) -> web.StreamResponse:
         # The prompt count for message_start: asked in parallel with the prefill leg, unless the clamp asked already.
         count = asyncio.ensure_future(_tokenize(request, upstream) if counted is None else _known(counted))
         events = EventRelay(message_id, req.model, req.sampling.stop, clamped)
-        chunks = pd.stream(request[REQUEST_ID], CHAT_PATH, req, upstream, request.headers)
+        chunks = pd.stream(request[REQUEST_ID], "messages", CHAT_PATH, req, upstream, request.headers)
         return await relay(request, _counted(chunks, count, events, req), events)
-    result = await pd.complete(request[REQUEST_ID], CHAT_PATH, req, upstream, request.headers)
+    result = await pd.complete(request[REQUEST_ID], "messages", CHAT_PATH, req, upstream, request.headers)
     charge(request, result.get("usage") or {})
     return web.json_response(message_body(result, message_id, req.model, req.sampling.stop, clamped))
 

@@ -50,10 +50,6 @@ def resolve_model(request: web.Request, model: str) -> str:
     return backend
 
 
-def received(request: web.Request, api: str, model: str, stream: bool) -> None:
-    log_event(events.ROUTER_REQUEST_RECEIVED, f"{api} request for {model}", api=api, model=model, stream=stream)
-
-
 def charge(request: web.Request, usage: dict[str, Any] | None) -> None:
     """Note the tokens a request used; the front middleware charges them to the key when it ends."""
     if usage:

@@ -32,7 +32,7 @@ from stack.protocol.fields import Fields
 from stack.protocol.parse import FIELDS, parse
 from stack.protocol.types import Request
 from stack.protocol.capabilities import VLLM_EXTRAS
-from stack.router.api.common import charge, engine_body, read_json, received, relay, vllm_extras
+from stack.router.api.common import charge, engine_body, read_json, relay, vllm_extras
 from stack.router.appkeys import CONFIG, PD
 
 CHAT_PATH = "/v1/chat/completions"
@@ -84,8 +84,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse("chat", body, checked=True)  # read_json: decode_body refused lone surrogates
     _check_chat_only(Fields(body))
     upstream = engine_body(request, req, "chat", vllm_extras(body))
-    received(request, "chat", req.model, req.stream)
-    return await _answer(request, CHAT_PATH, req, upstream)
+    return await _answer(request, "chat", CHAT_PATH, req, upstream)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -97,18 +96,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
     _check_completion_only(Fields(body), vllm)
     extras = vllm_extras(body) if vllm else {k: v for k, v in vllm_extras(body).items() if k not in ("echo", "best_of")}
     upstream = engine_body(request, req, "completions", extras)
-    received(request, "completions", req.model, req.stream)
-    return await _answer(request, COMPLETIONS_PATH, req, upstream)
+    return await _answer(request, "completions", COMPLETIONS_PATH, req, upstream)
 
 
-async def _answer(request: web.Request, path: str, req: Request, upstream: dict[str, Any]) -> web.StreamResponse:
+async def _answer(request: web.Request, api: str, path: str, req: Request, upstream: dict[str, Any]) -> web.StreamResponse:
     pd = request.app[PD]
     if not req.stream:
-        result = await pd.complete(request[REQUEST_ID], path, req, upstream, request.headers)
+        result = await pd.complete(request[REQUEST_ID], api, path, req, upstream, request.headers)
         charge(request, result.get("usage"))
         return web.json_response({**result, "model": req.model}, dumps=json_text.dumps)
     # Ordinary token chunks come as the engine's bytes with the client's model id already in (relay.Passthrough).
-    batches = pd.stream(request[REQUEST_ID], path, req, upstream, request.headers, raw_model=req.model)
+    batches = pd.stream(request[REQUEST_ID], api, path, req, upstream, request.headers, raw_model=req.model)
     return await relay(request, batches, _ChunkRelay(req.model, req.include_usage))
 
 

@@ -52,7 +52,7 @@ from stack.protocol.messages import CHAT_ROLES, text_content
 from stack.protocol.parse import parse
 from stack.protocol.tools import function_tools
 from stack.protocol.types import Request
-from stack.router.api.common import capabilities, charge, deltas, engine_body, read_json, received, relay
+from stack.router.api.common import capabilities, charge, deltas, engine_body, read_json, relay
 from stack.router.api.openai import CHAT_PATH
 from stack.router.appkeys import PD
 
@@ -153,12 +153,11 @@ async def responses(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = _parse(body, capabilities(request))
     upstream = engine_body(request, req, "responses", names=_NAMES)
-    received(request, "responses", req.model, req.stream)
     shape = _Shape(req, body)
     pd = request.app[PD]
     if req.stream:
-        return await relay(request, pd.stream(request[REQUEST_ID], CHAT_PATH, req, upstream, request.headers), _EventRelay(shape))
-    result = await pd.complete(request[REQUEST_ID], CHAT_PATH, req, upstream, request.headers)
+        return await relay(request, pd.stream(request[REQUEST_ID], "responses", CHAT_PATH, req, upstream, request.headers), _EventRelay(shape))
+    result = await pd.complete(request[REQUEST_ID], "responses", CHAT_PATH, req, upstream, request.headers)
     charge(request, result.get("usage"))
     choice = (result.get("choices") or [{}])[0]
     message = choice.get("message") or {}

@@ -89,12 +89,12 @@ def test_a_line_is_the_bytes_json_dumps_gave_for_the_whole_line() -> None:
     setup_logging("rou\"ter", sink=sink, clock=lambda: at)
     with request_context('req "1" é', client_request_id="client\n2"):
         log_event(events.ROUTER_SCHEDULED, 'prefill → decode "d"', prefill="http://p:1", decode="http://d:2", policy="load",
-                  mode="disaggregated", attempt=1, prefill_attempt=2)
+                  mode="disaggregated", attempt=1, prefill_attempt=2, queue_ms=0.25)
     log_event(events.SERVICE_STOPPING, "no fields, no client id")
     expected = [
         {"ts": "2026-11-29T20:31:55.123Z", "level": "INFO", "service": 'rou"ter', "event": "router.scheduled", "request_id": 'req "1" é',
          "msg": 'prefill → decode "d"', "prefill": "http://p:1", "decode": "http://d:2", "policy": "load", "mode": "disaggregated",
-         "attempt": 1, "prefill_attempt": 2, "client_request_id": "client\n2"},
+         "attempt": 1, "prefill_attempt": 2, "queue_ms": 0.25, "client_request_id": "client\n2"},
         {"ts": "2026-11-29T20:31:55.123Z", "level": "INFO", "service": 'rou"ter', "event": "service.stopping", "request_id": "-",
          "msg": "no fields, no client id"},
     ]

@@ -127,16 +127,21 @@ def request_id(n: int) -> str:
     return f"req-{n:04d}-{random.Random(n).getrandbits(32):08x}"
 
 
+def _scheduled(log: Log, rid: str, stream: bool) -> None:
+    """The router's one line for a parsed request: what was asked, the pair it picked, its time in the router's queue."""
+    log.ev("router", events.ROUTER_SCHEDULED, f"chat request for tiny: prefill {PREFILL} → decode {DECODE}", rid, api="chat",
+           model="tiny", stream=stream, prefill=PREFILL, decode=DECODE, policy="load_aware", mode="disaggregated", attempt=1,
+           prefill_attempt=1, queue_ms=0.3)
+
+
 def request(log: Log, n: int, prompt: int = 40, completion: int = 16, stream: bool = True, fate: str = "ok",
             kv_addr: str = "decode:9100", buffer: float = 8e9) -> str:
     """One chat request through router → prefill → KV → decode; `fate` picks how it breaks."""
     rid = request_id(n)
     tid = f"kv-{rid[4:]}"
     nbytes = prompt * BYTES_PER_TOKEN
-    log.ev("router", events.ROUTER_REQUEST_RECEIVED, "chat request for tiny", rid, api="chat", model="tiny", stream=stream)
     log.ev("router", events.AUTH_ACCEPTED, "key 'default' accepted", rid, key_name="default", header="authorization")
-    log.ev("router", events.ROUTER_SCHEDULED, f"prefill {PREFILL} → decode {DECODE}", rid, prefill=PREFILL, decode=DECODE,
-           policy="load_aware", mode="disaggregated", attempt=1, prefill_attempt=1)
+    _scheduled(log, rid, stream)
     log.ev("prefill", events.ENGINE_REQUEST_RECEIVED, f"chat request: {prompt} prompt tokens, PD prefill leg", rid,
            prompt_tokens=prompt, max_tokens=1, stream=False, role="prefill", pd_leg="prefill", transfer_id=tid)
     log.tick(prompt * 0.8)
@@ -233,7 +238,6 @@ def request(log: Log, n: int, prompt: int = 40, completion: int = 16, stream: bo
 
 def rejected(log: Log, n: int, reason: str, header: str = "authorization") -> str:
     rid = request_id(n)
-    log.ev("router", events.ROUTER_REQUEST_RECEIVED, "chat request for tiny", rid, api="chat", model="tiny", stream=False)
     log.ev("router", events.AUTH_REJECTED, f"401: {reason}", rid, reason=reason, header=header)
     _done(log, rid, 401, 0, 0, 0.4)
     log.tick(20)
@@ -247,7 +251,6 @@ def backend_gone(log: Log, n: int, role: str = "prefill", first: bool = True) ->
     if first:
         log.ev("router", events.BACKEND_HEALTH, f"{role} backend {url} is down (unreachable)", level="WARNING",
                backend=url, role=role, state="down", was="up", reason="unreachable")
-    log.ev("router", events.ROUTER_REQUEST_RECEIVED, "chat request for tiny", rid, api="chat", model="tiny", stream=True)
     log.ev("router", events.HTTP_ERROR, f"no healthy {role} backend", rid, status=503, type="service_unavailable",
            code=f"no_{role}_backend")
     _done(log, rid, 503, 0, 0, 1.2, f"no_{role}_backend")
@@ -258,8 +261,6 @@ def backend_gone(log: Log, n: int, role: str = "prefill", first: bool = True) ->
 def model_missing(log: Log, n: int, model: str = "claude-sonnet-4-5") -> str:
     """A client asks for a model name the router does not serve (Claude Code's claude-* default)."""
     rid = request_id(n)
-    log.ev("router", events.ROUTER_REQUEST_RECEIVED, f"messages request for {model}", rid, api="messages", model=model,
-           stream=True)
     log.ev("router", events.HTTP_BAD_REQUEST, f"The model '{model}' does not exist on this router; it serves "
            "'your-model-id' (see GET /v1/models).", rid, status=404, type="invalid_request_error", code="model_not_found")
     _done(log, rid, 404, 0, 0, 0.8, "model_not_found")
@@ -293,9 +294,7 @@ def context_refused(log: Log, n: int, decode_len: int = 64, prompt: int = 40, ma
     """Prefill serves the prompt, decode refuses it: decode's max_model_len is smaller (logged at WARNING)."""
     rid = request_id(n)
     tid = f"kv-{rid[4:]}"
-    log.ev("router", events.ROUTER_REQUEST_RECEIVED, "chat request for tiny", rid, api="chat", model="tiny", stream=True)
-    log.ev("router", events.ROUTER_SCHEDULED, f"prefill {PREFILL} → decode {DECODE}", rid, prefill=PREFILL, decode=DECODE,
-           policy="load_aware", mode="disaggregated", attempt=1, prefill_attempt=1)
+    _scheduled(log, rid, True)
     log.ev("prefill", events.ENGINE_REQUEST_RECEIVED, f"chat request: {prompt} prompt tokens, PD prefill leg", rid,
            prompt_tokens=prompt, max_tokens=1, stream=False, role="prefill", pd_leg="prefill", transfer_id=tid)
     log.ev("prefill", events.ENGINE_PREFILL_DONE, f"prefilled {prompt} tokens", rid, prompt_tokens=prompt, prefill_ms=30.0,
@@ -319,7 +318,6 @@ def context_refused(log: Log, n: int, decode_len: int = 64, prompt: int = 40, ma
 def mystery(log: Log, n: int) -> str:
     """A failure no diagnosis knows: the router answers 500 with an unhandled exception."""
     rid = request_id(n)
-    log.ev("router", events.ROUTER_REQUEST_RECEIVED, "chat request for tiny", rid, api="chat", model="tiny", stream=False)
     log.ev("router", events.HTTP_ERROR, "unhandled error on POST /v1/chat/completions", rid,
            exc="ZeroDivisionError: division by zero")
     _done(log, rid, 500, 0, 0, 2.0, "internal error")
@@ -329,7 +327,6 @@ def mystery(log: Log, n: int) -> str:
 
 def limited(log: Log, n: int, quota: bool) -> str:
     rid = request_id(n)
-    log.ev("router", events.ROUTER_REQUEST_RECEIVED, "chat request for tiny", rid, api="chat", model="tiny", stream=True)
     log.ev("router", events.AUTH_ACCEPTED, "key 'default' accepted", rid, key_name="default", header="authorization")
     if quota:
         log.ev("router", events.LIMIT_QUOTA, "key 'default' used its token quota", rid, key_name="default", used=100204,

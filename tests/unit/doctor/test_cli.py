@@ -29,7 +29,7 @@ def test_findings_exit_1_and_json_on_stdout(bundles):
     assert code == 1
     doc = json.loads(out)
     assert [f["id"] for f in doc["findings"]] == ["kv.port_mismatch"]
-    assert doc["input"]["requests"] == 2 and doc["input"]["lines"] == 45 and doc["input"]["undeclared"] == 0
+    assert doc["input"]["requests"] == 2 and doc["input"]["lines"] == 43 and doc["input"]["undeclared"] == 0
 
 
 def test_warning_exits_0_unless_strict(bundles):

@@ -54,3 +54,26 @@ def test_explain_a_failed_request_exits_1_and_an_unknown_id_2(bundles, tmp_path)
     code, out = run("explain", request_id(1), "--logs", log, "--no-picture")
     assert code == 1 and "did not complete" in out and "prefill compute" in out
     assert run("explain", "nope", "--logs", log, "--no-picture")[0] == 2
+
+
+def _router_line(rid: str, event: str, ts: str, **fields) -> str:
+    return json.dumps({"ts": f"2026-12-02T03:00:{ts}Z", "level": "INFO", "service": "router", "event": event,
+                       "request_id": rid, "msg": event, **fields})
+
+
+def test_the_router_queue_comes_from_queue_ms_and_from_older_routers_received_line(tmp_path):
+    """The router logs one line before a request's legs, router.scheduled, whose queue_ms is the router-queue hop;
+    an older router's log (router.request_received, then a router.scheduled without queue_ms) still gives the hop."""
+    pair = dict(prefill="http://p", decode="http://d", policy="load_aware", mode="disaggregated", attempt=1)
+    tail = [("router.prefill_done", "01.100", dict(prefill="http://p", prefill_ms=90.0, transfer_id="t")),
+            ("router.request_done", "01.300", dict(api="chat", key_name="default", status=200, error=None,
+                                                   prompt_tokens=9, completion_tokens=1, e2e_ms=312.5))]
+    logs = {"now": [("router.scheduled", "01.000", dict(pair, api="chat", model="m", stream=False, queue_ms=12.5))],
+            "older": [("router.request_received", "00.990", dict(api="chat", model="m", stream=False)),
+                      ("router.scheduled", "01.000", pair)]}
+    for rid, lines in logs.items():
+        path = tmp_path / f"{rid}.log"
+        path.write_text("".join(_router_line(rid, e, ts, **f) + "\n" for e, ts, f in lines + tail))
+        code, out = run("--json", "explain", rid, "--logs", str(path), "--no-picture")
+        queue = next(h for h in json.loads(out)["hops"] if h["name"] == "router queue")
+        assert (rid, queue["start_ms"], queue["duration_ms"]) == (rid, 0.0, 12.5 if rid == "now" else 10.0), out

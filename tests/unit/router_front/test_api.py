@@ -167,3 +167,27 @@ async def test_a_generation_request_logs_one_summary_line_not_an_access_line_too
     assert summary["request_id"] == done.headers["X-Request-ID"] and summary["status"] == 200 and summary["e2e_ms"] > 0
     assert access["path"] == "/v1/models" and access["request_id"] == models.headers["X-Request-ID"]
     assert not [e for e in log_events(logs) if e["event"] == "http.access" and e["request_id"] == summary["request_id"]]
+
+
+async def test_a_parsed_request_has_one_router_line_before_its_legs_naming_api_model_and_stream(router, logs) -> None:
+    """router.scheduled is the request's line before its legs (there is no separate 'received' line): it names the
+    client's API, the model it asked for, whether it streams, and how long the router held it (queue_ms)."""
+    asked = [("chat", "/v1/chat/completions", chat_body()),
+             ("completions", "/v1/completions", {"model": MODEL, "prompt": "Say hello", "max_tokens": 4, "stream": True}),
+             ("messages", "/v1/messages", chat_body(stream=True)),
+             ("responses", "/v1/responses", {"model": MODEL, "input": "Say hello", "max_output_tokens": 4})]
+    ids = []
+    for _api, path, body in asked:
+        response = await router.post(path, json=body, headers=auth())
+        assert response.status == 200, await response.text()
+        await response.read()
+        ids.append(response.headers["X-Request-ID"])
+    await wait_for_events(logs, "router.request_done", len(asked))
+    lines = log_events(logs)
+    for (api, _path, body), rid in zip(asked, ids):
+        mine = [e["event"] for e in lines if e["request_id"] == rid and e["event"].startswith("router.")]
+        assert mine[0] == "router.scheduled" and mine.count("router.scheduled") == 1 and mine[-1] == "router.request_done", mine
+        assert "router.request_received" not in mine
+        [scheduled] = [e for e in lines if e["request_id"] == rid and e["event"] == "router.scheduled"]
+        assert (scheduled["api"], scheduled["model"], scheduled["stream"]) == (api, MODEL, bool(body.get("stream")))
+        assert 0 <= scheduled["queue_ms"] < 5000 and scheduled["attempt"] == 1

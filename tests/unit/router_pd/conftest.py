@@ -147,10 +147,11 @@ def relay_app(client: PDClient) -> Any:
 
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        api = "completions" if request.path == "/v1/completions" else "chat"
         if not body.get("stream"):
-            return web.json_response(await client.complete(request[REQUEST_ID], request.path, *typed(body)))
+            return web.json_response(await client.complete(request[REQUEST_ID], api, request.path, *typed(body)))
         stream = None
-        async with aclosing(client.stream(request[REQUEST_ID], request.path, *typed(body))) as batches:
+        async with aclosing(client.stream(request[REQUEST_ID], api, request.path, *typed(body))) as batches:
             try:
                 async for batch in batches:
                     stream = stream or await open_stream(request)

@@ -22,7 +22,7 @@ async def test_the_kv_address_is_the_decode_host_and_the_port_it_reports(fake, p
     prefill, decode = await fake("prefill"), await fake("decode", kv_port=7123)
     client = await pd([prefill], [decode])
     assert backend(client, decode.url).kv_addr == "127.0.0.1:7123"
-    await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
+    await client.complete("r1", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert prefill.seen[0]["kv_transfer_params"]["decode_kv_addr"] == "127.0.0.1:7123"
     [learned] = logs.events(events.BACKEND_KV_ADDR)
     assert learned["backend"] == decode.url and learned["kv_addr"] == "127.0.0.1:7123" and learned["reported_by"] == f"GET {decode.url}/health"
@@ -36,7 +36,7 @@ async def test_given_ports_that_disagree_are_errors_naming_both_and_the_reported
     prefill, decode = await fake("prefill"), await fake("decode", kv_port=7123)
     client = await pd([prefill], [decode], kv_addrs=("decode-kv:9300",), kv_transfer_port=9400)
     assert backend(client, decode.url).kv_addr == "decode-kv:7123"
-    await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
+    await client.complete("r1", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert prefill.seen[0]["kv_transfer_params"]["decode_kv_addr"] == "decode-kv:7123"
     mismatches = logs.events(events.ROUTER_KV_PORT_MISMATCH)
     assert [(m["configured_port"], m["configured_by"]) for m in mismatches] == [
@@ -76,14 +76,14 @@ async def test_a_decode_that_reports_no_kv_port_gets_nothing_until_it_does(fake,
     client = await pd([prefill], [decode], health_interval_ms=50)
     assert not backend(client, decode.url).up
     with pytest.raises(Overloaded, match="no decode backend is available"):
-        await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
+        await client.complete("r1", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert prefill.seen == [] and decode.seen == []
     [down] = logs.events(events.BACKEND_HEALTH)
     assert down["state"] == "down" and down["reason"] == (
         f"KV address unknown: GET {decode.url}/health reports no kv_port (is the decode engine running with kv_role kv_consumer?)")
     decode.kv_port = 7124
     await wait_for_state(client, decode.url, "up")
-    await client.complete("r2", "/v1/chat/completions", *typed(dict(CHAT)))
+    await client.complete("r2", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert prefill.seen[0]["kv_transfer_params"]["decode_kv_addr"] == "127.0.0.1:7124"
 
 
@@ -96,7 +96,7 @@ async def test_a_decode_coming_back_is_asked_again(fake, pd, logs):
     decode.kv_port = 7200  # a restarted engine, KV_TRANSFER_PORT changed
     await decode.set_health(True)
     await wait_for_state(client, decode.url, "up")
-    await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
+    await client.complete("r1", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert prefill.seen[0]["kv_transfer_params"]["decode_kv_addr"] == "127.0.0.1:7200"
     assert [e["kv_addr"] for e in logs.events(events.BACKEND_KV_ADDR)] == ["127.0.0.1:7123", "127.0.0.1:7200"]
 
@@ -111,7 +111,7 @@ async def test_a_decode_replaced_between_two_probes_is_asked_again(fake, pd, log
     while backend(client, decode.url).kv_addr != "127.0.0.1:7300":
         assert asyncio.get_running_loop().time() < deadline, "the replaced decode's KV address was never learned"
         await asyncio.sleep(0.02)
-    await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
+    await client.complete("r1", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert prefill.seen[0]["kv_transfer_params"]["decode_kv_addr"] == "127.0.0.1:7300"
     assert [e["kv_addr"] for e in logs.events(events.BACKEND_KV_ADDR)] == ["127.0.0.1:7123", "127.0.0.1:7300"]
     assert all(e["state"] == "up" for e in logs.events(events.BACKEND_HEALTH))
@@ -129,7 +129,7 @@ async def test_a_serving_decode_that_misses_one_kv_answer_keeps_serving(fake, pd
         assert asyncio.get_running_loop().time() < deadline, "the monitor stopped asking"
         await asyncio.sleep(0.02)
     assert backend(client, decode.url).up and backend(client, decode.url).kv_addr == "127.0.0.1:7123"
-    await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
+    await client.complete("r1", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert prefill.seen[0]["kv_transfer_params"]["decode_kv_addr"] == "127.0.0.1:7123"
 
 
@@ -137,5 +137,5 @@ async def test_without_health_checks_the_address_is_learned_once_at_start(fake, 
     """health_interval_ms = 0 (breakers only): the KV address is still asked for, once, before the first request."""
     prefill, decode = await fake("prefill"), await fake("decode", kv_port=7123)
     client = await pd([prefill], [decode], health_interval_ms=0)
-    await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
+    await client.complete("r1", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert prefill.seen[0]["kv_transfer_params"]["decode_kv_addr"] == "127.0.0.1:7123"

@@ -17,7 +17,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_t
 
 
 async def collect(client, request_id="r1", body=CHAT):
-    return [chunk async for batch in client.stream(request_id, "/v1/chat/completions", *typed(dict(body))) for chunk in batch]
+    return [chunk async for batch in client.stream(request_id, "chat", "/v1/chat/completions", *typed(dict(body))) for chunk in batch]
 
 
 async def test_prefill_error_retries_on_the_other_prefill(fake, pd, logs):
@@ -58,7 +58,7 @@ async def test_engine_400_is_passed_on_without_retry(fake, pd, logs):
     decode = await fake("decode")
     client = await pd([prefill, other], [decode], policy="round_robin")
     with pytest.raises(InvalidRequest, match="'n' > 1 is not supported") as caught:
-        await client.complete("r400", "/v1/chat/completions", *typed(dict(CHAT)))
+        await client.complete("r400", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert caught.value.status == 400
     assert (len(prefill.seen), len(other.seen), len(decode.seen)) == (1, 0, 0)
     assert logs.events(events.ROUTER_UPSTREAM_ERROR)[0]["status"] == 400
@@ -72,7 +72,7 @@ async def test_a_decode_refusing_what_prefill_accepted_is_a_502_not_the_clients_
     prefill, decode = await fake("prefill"), await fake("decode", faults=Faults(http_400=1))
     client = await pd([prefill], [decode])
     with pytest.raises(UpstreamError) as caught:
-        await client.complete("r400d", "/v1/chat/completions", *typed(dict(CHAT, stream=stream)))
+        await client.complete("r400d", "chat", "/v1/chat/completions", *typed(dict(CHAT, stream=stream)))
     assert caught.value.status == 502 and caught.value.code == "decode_rejected_after_prefill"
     assert decode.url in caught.value.message and "'n' > 1 is not supported" in caught.value.message
     assert "max_model_len" in caught.value.message
@@ -87,13 +87,13 @@ async def test_an_engine_without_tool_calling_is_named_not_the_clients_request(f
     client = await pd([prefill, other], [decode], policy="round_robin")
     tools = [{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", "properties": {}}}}]
     with pytest.raises(InvalidRequest) as caught:
-        await client.complete("rtools", "/v1/chat/completions", *typed(dict(CHAT, tools=tools)))
+        await client.complete("rtools", "chat", "/v1/chat/completions", *typed(dict(CHAT, tools=tools)))
     err = caught.value
     assert (err.status, err.param, err.code) == (400, "tool_choice", "unsupported_parameter")
     assert "prefill engine runs without tool calling" in err.message and 'tool_choice "none"' in err.message
     assert (len(prefill.seen), len(other.seen), len(decode.seen)) == (1, 0, 0)
     assert "--enable-auto-tool-choice" in logs.events(events.ROUTER_UPSTREAM_ERROR)[0]["body"]
-    answer = await client.complete("rnone", "/v1/chat/completions", *typed(dict(CHAT, tools=tools, tool_choice="none")))
+    answer = await client.complete("rnone", "chat", "/v1/chat/completions", *typed(dict(CHAT, tools=tools, tool_choice="none")))
     assert answer["choices"][0]["message"]["content"]
 
 
@@ -102,7 +102,7 @@ async def test_a_colocated_engines_400_stays_the_clients(fake, pd):
     both = await fake("both", faults=Faults(http_400=1))
     client = await pd([both], [both])
     with pytest.raises(InvalidRequest, match="'n' > 1 is not supported"):
-        await client.complete("r400c", "/v1/chat/completions", *typed(dict(CHAT)))
+        await client.complete("r400c", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
 
 
 async def test_decode_dying_mid_stream_is_an_error_after_the_first_chunk(fake, pd, logs):
@@ -112,7 +112,7 @@ async def test_decode_dying_mid_stream_is_an_error_after_the_first_chunk(fake, p
     client = await pd([prefill], [decode])
     got = []
     with pytest.raises(UpstreamError, match="broke the connection"):
-        async for batch in client.stream("rmid", "/v1/chat/completions", *typed(dict(CHAT))):
+        async for batch in client.stream("rmid", "chat", "/v1/chat/completions", *typed(dict(CHAT))):
             got += batch
     assert chunk_text(got) == "t0 t1 "
     failed = logs.events(events.ROUTER_DECODE_FAILED)
@@ -123,7 +123,7 @@ async def test_decode_dying_mid_stream_is_an_error_after_the_first_chunk(fake, p
 async def test_a_burst_is_relayed_in_fewer_batches_than_chunks(fake, pd):
     """Chunks that arrive in one network read come out as one batch (one write to the client), complete and in order."""
     client = await pd([await fake("prefill")], [await fake("decode", tokens=6, faults=Faults(burst=True))])
-    batches = [batch async for batch in client.stream("rb", "/v1/chat/completions", *typed(dict(CHAT)))]
+    batches = [batch async for batch in client.stream("rb", "chat", "/v1/chat/completions", *typed(dict(CHAT)))]
     chunks = [chunk for batch in batches for chunk in batch]
     assert chunk_text(chunks) == "t0 t1 t2 t3 t4 t5 " and chunks[-1]["usage"]["completion_tokens"] == 6
     assert len(batches) < 7  # 6 token chunks + the usage chunk, written at once, read in fewer pieces than one per chunk
@@ -145,7 +145,7 @@ async def test_in_band_error_in_a_burst_comes_after_the_good_chunks(fake, pd, lo
     client = await pd([await fake("prefill")], [decode])
     got = []
     with pytest.raises(UpstreamError, match="decode step failed"):
-        async for batch in client.stream("rbe", "/v1/chat/completions", *typed(dict(CHAT))):
+        async for batch in client.stream("rbe", "chat", "/v1/chat/completions", *typed(dict(CHAT))):
             got += batch
     assert chunk_text(got) == "t0 t1 "
     assert logs.events(events.ROUTER_DECODE_FAILED)[-1]["mid_stream"] is True
@@ -174,7 +174,7 @@ async def test_single_prefill_failing_gives_a_clean_5xx(fake, pd, logs):
     decode = await fake("decode")
     client = await pd([prefill], [decode], max_retries=2)
     with pytest.raises(UpstreamError, match=r"prefill engine failed \(HTTP 500\): CUDA out of memory"):
-        await client.complete("r5", "/v1/chat/completions", *typed(dict(CHAT)))
+        await client.complete("r5", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert len(prefill.seen) == 1 and decode.seen == []
     assert all(b.in_flight == 0 for b in client.fleet.scheduler.backends)
 
@@ -183,12 +183,12 @@ async def test_full_queue_gets_429_then_503_with_retry_after(fake, pd):
     """All slots busy: up to queue_size requests wait, the next gets 429; a waiter past queue_timeout_ms gets 503."""
     decode = await fake("decode", faults=Faults(delay_s=1.0))
     client = await pd([await fake("prefill")], [decode], max_concurrent=1, queue_size=1, queue_timeout_ms=300)
-    busy = asyncio.create_task(client.complete("a", "/v1/chat/completions", *typed(dict(CHAT))))
+    busy = asyncio.create_task(client.complete("a", "chat", "/v1/chat/completions", *typed(dict(CHAT))))
     await until(lambda: len(decode.seen) == 1, "holding the decode slot")
-    queued = asyncio.create_task(client.complete("b", "/v1/chat/completions", *typed(dict(CHAT))))
+    queued = asyncio.create_task(client.complete("b", "chat", "/v1/chat/completions", *typed(dict(CHAT))))
     await until(lambda: client.fleet.scheduler.queue_depth == 1, "queued")
     with pytest.raises(RateLimited) as full:
-        await client.complete("c", "/v1/chat/completions", *typed(dict(CHAT)))
+        await client.complete("c", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert full.value.status == 429 and full.value.headers["Retry-After"] == "1"
     with pytest.raises(Overloaded) as timed_out:
         await queued
@@ -204,13 +204,13 @@ async def test_breaker_opens_then_recovers(fake, pd, logs):
     client = await pd([prefill], [decode], breaker_failures=2, breaker_cooldown_ms=300, max_retries=0, clock=lambda: now[0])
     for _ in range(2):
         with pytest.raises(UpstreamError):
-            await client.complete("rb", "/v1/chat/completions", *typed(dict(CHAT)))
+            await client.complete("rb", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     calls = len(decode.seen)
     with pytest.raises(Overloaded, match="no decode backend is available .*circuit open"):
-        await client.complete("rb", "/v1/chat/completions", *typed(dict(CHAT)))
+        await client.complete("rb", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert len(decode.seen) == calls  # rejected without touching the engine
     now[0] += 0.3  # the cool-down has passed
-    assert (await client.complete("rb", "/v1/chat/completions", *typed(dict(CHAT))))["usage"]["completion_tokens"] == 4
+    assert (await client.complete("rb", "chat", "/v1/chat/completions", *typed(dict(CHAT))))["usage"]["completion_tokens"] == 4
     states = [e["state"] for e in logs.events(events.BACKEND_CIRCUIT)]
     assert states == ["open", "half_open", "closed"]
 
@@ -225,7 +225,7 @@ async def test_health_monitor_takes_a_backend_out_and_back(fake, pd, logs, healt
     await first.set_health(False)
     await wait_for_state(client, first.url, "down")
     for i in range(3):
-        await client.complete(f"h{i}", "/v1/chat/completions", *typed(dict(CHAT)))
+        await client.complete(f"h{i}", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert len(first.seen) == 0 and len(second.seen) == 3
     await first.set_health(True)
     await wait_for_state(client, first.url, "up")
@@ -241,7 +241,7 @@ async def test_health_probe_timeouts_take_a_backend_out_only_after_several_in_a_
     client = await pd([prefill], [decode], health_interval_ms=100, health_timeouts_to_down=3)
     # start() has run one probe round: one timeout, still up, so the request is served.
     assert backend(client, decode.url).up and backend(client, decode.url).probe_timeouts == 1
-    assert (await client.complete("t1", "/v1/chat/completions", *typed(dict(CHAT))))["usage"]["completion_tokens"] == 4
+    assert (await client.complete("t1", "chat", "/v1/chat/completions", *typed(dict(CHAT))))["usage"]["completion_tokens"] == 4
     await wait_for_state(client, decode.url, "down")
     [down] = [e for e in logs.events(events.BACKEND_HEALTH) if e["backend"] == decode.url]
     assert down["state"] == "down" and down["reason"] == f"grpc health TIMEOUT x3 at {silent_address}"

@@ -25,7 +25,7 @@ TOY_PROXY_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remot
 
 
 async def collect(client, request_id="r1", body=CHAT):
-    return [chunk async for batch in client.stream(request_id, "/v1/chat/completions", *typed({**body, "stream": True})) for chunk in batch]
+    return [chunk async for batch in client.stream(request_id, "chat", "/v1/chat/completions", *typed({**body, "stream": True})) for chunk in batch]
 
 
 def assert_prefill_leg(leg: dict) -> None:
@@ -69,7 +69,7 @@ async def test_nixl_prefill_gets_the_toy_proxy_params_and_decode_gets_its_answer
     client = await pd([prefill], [decode], kv_connector="nixl")
     assert client.fleet.handoff.kind == "nixl"
     await collect(client)
-    answer = await client.complete("r2", "/v1/chat/completions", *typed(dict(CHAT, stream=True)))
+    answer = await client.complete("r2", "chat", "/v1/chat/completions", *typed(dict(CHAT, stream=True)))
     assert "kv_transfer_params" not in answer  # clients never learn PD exists
     for p_leg in prefill.seen:
         assert p_leg["kv_transfer_params"] == TOY_PROXY_PARAMS
@@ -91,7 +91,7 @@ async def test_colocated_sends_one_ordinary_request(fake, pd, logs):
     client = await pd([both], [both], kv_connector="nixl")
     assert client.fleet.handoff.kind == "colocated" and client.fleet.mode == "colocated"
     assert chunk_text(await collect(client)) == "t0 t1 t2 t3 "
-    assert (await client.complete("r2", "/v1/chat/completions", *typed(dict(CHAT, stream=True))))["choices"][0]["message"]["content"] == "xxxx"
+    assert (await client.complete("r2", "chat", "/v1/chat/completions", *typed(dict(CHAT, stream=True))))["choices"][0]["message"]["content"] == "xxxx"
     assert len(both.seen) == 2 and all("kv_transfer_params" not in leg for leg in both.seen)
     assert_decode_leg(both.seen[0])
     assert [leg["headers"]["X-Request-ID"] for leg in both.seen] == ["r1", "r2"]
@@ -123,7 +123,7 @@ async def test_prefill_answering_without_kv_transfer_params_is_a_clean_502(fake,
     prefill, decode = await fake("prefill", nixl=kind == "nixl", kv_producer=False), await fake("decode")
     client = await pd([prefill], [decode], kv_connector=kind)
     with pytest.raises(UpstreamError, match=r"returned no kv_transfer_params \(is it running as a KV producer\?\)") as caught:
-        await client.complete("r3", "/v1/chat/completions", *typed(dict(CHAT, stream=True)))
+        await client.complete("r3", "chat", "/v1/chat/completions", *typed(dict(CHAT, stream=True)))
     assert caught.value.status == 502 and decode.seen == []
     [failed] = logs.events(events.ROUTER_PREFILL_FAILED)
     assert failed["level"] == "ERROR" and failed["retried"] is False and "no kv_transfer_params" in failed["error"]

@@ -68,7 +68,7 @@ async def test_engine_refusing_the_internal_key_is_a_502_naming_the_mismatch(key
     assert INTERNAL_KEY != "another-key"
     client = await pd([prefill], [await fake("decode")], health_check="http")
     with pytest.raises(UpstreamError) as caught:
-        await client.complete("rkey", "/v1/chat/completions", *typed(dict(CHAT)))
+        await client.complete("rkey", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     error = caught.value
     assert error.status == 502 and error.code == "internal_key_rejected"
     assert "PD_INTERNAL_KEY" in error.message and f"HTTP {status}" in error.message and "prefill engine" in error.message

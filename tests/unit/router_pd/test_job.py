@@ -23,7 +23,7 @@ AGENT = CHAT | {"messages": [{"role": "system", "content": "You are a coding age
 
 
 def job(kind: str, body: dict[str, Any], stream: bool) -> Job:
-    return Job.make("r1", "/v1/x", parse(kind, body), body, {}, stream, 16, partial(budgets, SchedulerConfig(), window=None))
+    return Job.make("r1", kind, "/v1/x", parse(kind, body), body, {}, stream, 16, partial(budgets, SchedulerConfig(), window=None))
 
 
 @pytest.mark.parametrize(("kind", "body"), [("chat", CHAT), ("chat", AGENT), ("completion", {"model": "m", "prompt": "once upon ✓", "max_tokens": 3})])

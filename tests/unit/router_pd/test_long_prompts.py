@@ -65,10 +65,10 @@ async def test_a_long_prefill_is_not_cut_by_a_short_prompts_budget(fake, pd):
     not, and its leg is closed."""
     prefill = await fake("prefill", faults=Faults(prefill_delay_s=0.8))
     client = await pd([prefill], [await fake("decode")], max_retries=0, **TIGHT)
-    answer = await client.complete("long", "/v1/chat/completions", *typed(chat(1000)))
+    answer = await client.complete("long", "chat", "/v1/chat/completions", *typed(chat(1000)))
     assert answer["usage"]["completion_tokens"] == 4
     with pytest.raises(UpstreamTimeout):
-        await client.complete("short", "/v1/chat/completions", *typed(dict(CHAT)))
+        await client.complete("short", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     await until(lambda: prefill.disconnects == 1, "the timed-out prefill saw the router hang up")  # the engine stops it
 
 
@@ -78,7 +78,7 @@ async def test_a_decode_without_room_for_the_kv_is_retried_on_another_decode(fak
     prefill = await fake("prefill", faults=Faults(decode_kv_capacity=1))
     full, roomy = await fake("decode"), await fake("decode")
     client = await pd([prefill], [full, roomy], policy="round_robin", health_interval_ms=60_000)
-    answer = await client.complete("cap1", "/v1/chat/completions", *typed(dict(CHAT)))
+    answer = await client.complete("cap1", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert answer["usage"]["completion_tokens"] == 4
     assert [e["decode"] for e in logs.events(events.ROUTER_SCHEDULED)] == [full.url, roomy.url]
     assert full.seen == [] and len(roomy.seen) == 1
@@ -94,11 +94,11 @@ async def test_when_no_decode_has_room_the_client_gets_a_503_naming_it(fake, pd)
     prefill = await fake("prefill", faults=Faults(decode_kv_capacity=100))
     client = await pd([prefill], [await fake("decode"), await fake("decode")], health_interval_ms=60_000)
     with pytest.raises(Overloaded) as caught:
-        await client.complete("cap2", "/v1/chat/completions", *typed(dict(CHAT)))
+        await client.complete("cap2", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert caught.value.status == 503 and caught.value.code == "decode_kv_capacity"
     assert "needs 3 tokens" in caught.value.message and caught.value.headers["Retry-After"] == "1"
     with pytest.raises(Overloaded) as streamed:
-        async for _ in client.stream("cap3", "/v1/chat/completions", *typed(dict(CHAT, stream=True))):
+        async for _ in client.stream("cap3", "chat", "/v1/chat/completions", *typed(dict(CHAT, stream=True))):
             pass
     assert streamed.value.code == "decode_kv_capacity" and not isinstance(streamed.value, UpstreamError)
     assert all(b.in_flight == 0 for b in client.fleet.scheduler.backends)
@@ -111,7 +111,7 @@ async def test_a_prefill_past_the_deadline_is_closed_so_the_engine_stops(fake, p
     client = await pd([prefill], [await fake("decode")], max_retries=0, **{**TIGHT, "prefill_timeout_ms": 20_000})
     started = time.monotonic()
     with pytest.raises(UpstreamTimeout):
-        await client.complete("gone", "/v1/chat/completions", *typed(dict(CHAT)))
+        await client.complete("gone", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     # Lower bound: the 0.3 s deadline really waited; upper bound: it did not wait for the 30 s prefill.
     assert 0.25 <= time.monotonic() - started < 5
     await until(lambda: prefill.disconnects == 1, "the prefill saw the router hang up")
@@ -124,7 +124,7 @@ async def test_a_client_gone_during_prefill_closes_the_prefill_leg(fake, pd, log
     no decode leg is sent, and the slots are back."""
     prefill, decode = await fake("prefill", faults=Faults(prefill_delay_s=30)), await fake("decode")
     client = await pd([prefill], [decode])
-    task = asyncio.create_task(client.complete("left", "/v1/chat/completions", *typed(dict(CHAT))))
+    task = asyncio.create_task(client.complete("left", "chat", "/v1/chat/completions", *typed(dict(CHAT))))
     await until(lambda: len(prefill.seen) == 1, "the prefill leg sent")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -141,7 +141,7 @@ async def test_a_decode_leg_given_up_for_another_is_closed(fake, pd):
     stalled = await fake("decode", faults=Faults(stall_after_chunks=0))
     client = await pd([await fake("prefill")], [stalled, await fake("decode")], policy="round_robin", first_token_timeout_ms=300,
                       kv_transfer_timeout_ms=100, health_interval_ms=60_000)
-    chunks = [c async for batch in client.stream("slow", "/v1/chat/completions", *typed(dict(CHAT, stream=True))) for c in batch]
+    chunks = [c async for batch in client.stream("slow", "chat", "/v1/chat/completions", *typed(dict(CHAT, stream=True))) for c in batch]
     assert chunks[-1]["usage"]["completion_tokens"] == 4
     await until(lambda: stalled.disconnects == 1, "the stalled decode saw the router hang up")
 
@@ -172,8 +172,8 @@ async def test_a_decode_computing_a_long_prompt_itself_may_stay_silent_that_long
     both = await fake("both", faults=Faults(delay_s=0.8))
     client = await pd([both], [both], max_retries=0, idle_timeout_ms=300, first_token_timeout_ms=300, kv_transfer_timeout_ms=100,
                       **TIGHT)
-    chunks = [c async for batch in client.stream("long", "/v1/chat/completions", *typed(chat(1000) | {"stream": True})) for c in batch]
+    chunks = [c async for batch in client.stream("long", "chat", "/v1/chat/completions", *typed(chat(1000) | {"stream": True})) for c in batch]
     assert chunks[-1]["usage"]["completion_tokens"] == 4
     with pytest.raises(UpstreamTimeout):
-        async for _ in client.stream("short", "/v1/chat/completions", *typed(dict(CHAT, stream=True))):
+        async for _ in client.stream("short", "chat", "/v1/chat/completions", *typed(dict(CHAT, stream=True))):
             pass

@@ -29,12 +29,12 @@ async def test_prefills_of_another_version_are_never_paired_and_decode_serves_al
     assert fingerprints[old.url] == fingerprints[decode.url] != fingerprints[new.url]
     assert client.health_snapshot()["pools"]["prefill"]["models"] == {fingerprints[old.url]: 1, fingerprints[new.url]: 1}
     for i in range(4):
-        await client.complete(f"paired-{i}", "/v1/chat/completions", *typed(dict(CHAT)))
+        await client.complete(f"paired-{i}", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert len(old.events(events.ENGINE_REQUEST_RECEIVED)) == 4 and new.events(events.ENGINE_REQUEST_RECEIVED) == []
 
     old.stop()
     await wait_for_state(client, old.url, "down")
-    answer = await client.complete("split", "/v1/chat/completions", *typed(dict(CHAT)))
+    answer = await client.complete("split", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert answer["choices"][0]["finish_reason"] in ("length", "stop")
     [split] = logs.events(events.ROUTER_VERSION_SPLIT)
     assert (split["decode"], split["fingerprint"], split["request_id"]) == (decode.url, fingerprints[decode.url], "split")

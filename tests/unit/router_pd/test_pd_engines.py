@@ -40,13 +40,13 @@ async def test_pd_output_matches_colocated(engines, pd, logs):
     prefill, decode, both = await engines("prefill", "decode", "both")
     disaggregated, colocated = await pd([prefill], [decode]), await pd([both], [both])
     assert (disaggregated.fleet.mode, colocated.fleet.mode) == ("disaggregated", "colocated")
-    pd_chunks = [c async for batch in disaggregated.stream("pd-1", "/v1/chat/completions", *typed(chat())) for c in batch]
-    co_chunks = [c async for batch in colocated.stream("co-1", "/v1/chat/completions", *typed(chat())) for c in batch]
+    pd_chunks = [c async for batch in disaggregated.stream("pd-1", "chat", "/v1/chat/completions", *typed(chat())) for c in batch]
+    co_chunks = [c async for batch in colocated.stream("co-1", "chat", "/v1/chat/completions", *typed(chat())) for c in batch]
     assert chunk_text(pd_chunks) == chunk_text(co_chunks) and len(chunk_text(pd_chunks)) > 0
     assert pd_chunks[-1]["usage"] == co_chunks[-1]["usage"] and pd_chunks[-1]["usage"]["completion_tokens"] == 12
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "seed": 3}
-    pd_answer = await disaggregated.complete("pd-2", "/v1/completions", *typed(dict(body)))
-    co_answer = await colocated.complete("co-2", "/v1/completions", *typed(dict(body)))
+    pd_answer = await disaggregated.complete("pd-2", "completions", "/v1/completions", *typed(dict(body)))
+    co_answer = await colocated.complete("co-2", "completions", "/v1/completions", *typed(dict(body)))
     assert pd_answer["choices"][0]["text"] == co_answer["choices"][0]["text"] and "kv_transfer_params" not in pd_answer
     # The KV really moved, under the router's transfer id, and the request id reached both engines.
     sent = await wait_for_event(prefill, events.KV_PRODUCER_SENT, "pd-1")
@@ -63,7 +63,7 @@ async def test_load_aware_spreads_over_two_decodes(engines, pd, logs):
 
     async def one(i: int) -> str:
         chunks = []
-        async for batch in client.stream(f"x-{i}", "/v1/chat/completions", *typed(chat(max_tokens=6))):
+        async for batch in client.stream(f"x-{i}", "chat", "/v1/chat/completions", *typed(chat(max_tokens=6))):
             for b in client.fleet.scheduler.backends:
                 peak[b.url] = max(peak.get(b.url, 0), b.in_flight)
             chunks += batch
@@ -81,9 +81,9 @@ async def test_killed_prefill_is_retried_on_the_other(engines, pd, logs):
     dead, alive, decode = await engines("prefill", "prefill", "decode")
     # Slow health checks: the router still thinks the dead prefill is up, so the request really hits it.
     client = await pd([dead, alive], [decode], policy="round_robin", health_interval_ms=60_000)
-    expected = chunk_text([c async for batch in client.stream("warm", "/v1/chat/completions", *typed(chat())) for c in batch])
+    expected = chunk_text([c async for batch in client.stream("warm", "chat", "/v1/chat/completions", *typed(chat())) for c in batch])
     dead.kill()
-    texts = [chunk_text([c async for batch in client.stream(f"k{i}", "/v1/chat/completions", *typed(chat())) for c in batch]) for i in range(2)]
+    texts = [chunk_text([c async for batch in client.stream(f"k{i}", "chat", "/v1/chat/completions", *typed(chat())) for c in batch]) for i in range(2)]
     assert texts == [expected, expected]
     failed = logs.events(events.ROUTER_PREFILL_FAILED)
     assert len(failed) == 1 and failed[0]["prefill"] == dead.url and failed[0]["retried"] is True
@@ -97,11 +97,11 @@ async def test_only_prefill_killed_gives_clean_errors(engines, pd):
     watching = await pd([prefill], [decode], health_interval_ms=100)
     prefill.kill()
     with pytest.raises(UpstreamError, match="cannot connect to the prefill engine") as refused:
-        await asyncio.wait_for(unaware.complete("dead-1", "/v1/chat/completions", *typed(chat())), 10)
+        await asyncio.wait_for(unaware.complete("dead-1", "chat", "/v1/chat/completions", *typed(chat())), 10)
     assert refused.value.status == 502
     await wait_for_state(watching, prefill.url, "down")
     with pytest.raises(Overloaded, match="no prefill backend is available") as caught:
-        await watching.complete("dead-2", "/v1/chat/completions", *typed(chat()))
+        await watching.complete("dead-2", "chat", "/v1/chat/completions", *typed(chat()))
     assert caught.value.status == 503 and "Retry-After" in caught.value.headers
 
 
@@ -140,7 +140,7 @@ async def test_engine_rejection_keeps_status_and_message(engines, pd, logs):
     prefill, decode = await engines("prefill", "decode")
     client = await pd([prefill], [decode])
     with pytest.raises(InvalidRequest) as caught:
-        await client.complete("bad-n", "/v1/chat/completions", *typed(chat(n=3)))
+        await client.complete("bad-n", "chat", "/v1/chat/completions", *typed(chat(n=3)))
     assert caught.value.status == 400 and "n" in caught.value.message
     assert len(logs.events(events.ROUTER_PREFILL_FAILED)) == 1 and logs.events(events.ROUTER_UPSTREAM_ERROR)[0]["status"] == 400
 
@@ -167,7 +167,7 @@ async def test_router_process_cancels_a_non_streamed_request_whose_client_left(e
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(request, 2.0)  # the client gives up long before 1500 tokens
         # The router names the request itself (a client's X-Request-ID is only client_request_id): find its id.
-        received = [json.loads(line) for line in log.read_text().splitlines() if '"router.request_received"' in line]
+        received = [json.loads(line) for line in log.read_text().splitlines() if '"router.scheduled"' in line]
         assert len(received) == 1, log.read_text()[-2000:]
         cancelled = await wait_for_event(decode, events.ENGINE_REQUEST_CANCELLED, received[0]["request_id"], timeout_s=15)
         assert cancelled["kv_blocks_freed"] > 0

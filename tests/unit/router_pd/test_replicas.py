@@ -84,7 +84,7 @@ def watcher(client: PDClient, role: str) -> Any:
 
 
 async def complete(client: PDClient, request_id: str) -> dict[str, Any]:
-    return await client.complete(request_id, "/v1/chat/completions", *typed(dict(CHAT)))
+    return await client.complete(request_id, "chat", "/v1/chat/completions", *typed(dict(CHAT)))
 
 
 async def test_replicas_join_once_healthy_and_leave_while_their_requests_finish(session, replicas, logs, monkeypatch):
@@ -124,7 +124,7 @@ async def test_replicas_join_once_healthy_and_leave_while_their_requests_finish(
         assert (joined["role"], joined["replicas"], joined["discover"]) == ("prefill", 2, f"dns://prefill.test:{p_ports[0]}")
 
         body = {**CHAT, "max_tokens": 64, "ignore_eos": True, "stream": True}
-        async with aclosing(client.stream("draining", "/v1/chat/completions", *typed(body))) as batches:
+        async with aclosing(client.stream("draining", "chat", "/v1/chat/completions", *typed(body))) as batches:
             chunks = list(await anext(batches))
             answers.records["decode.test"] = ["127.0.0.3"]  # d1 is scaled away while its stream runs
             await watcher(client, "decode").refresh()

@@ -24,7 +24,7 @@ async def test_a_kv_push_that_fails_re_picks_the_pair_and_never_retries_prefill_
     prefill = await fake("prefill", faults=Faults(kv_push_failed=1))
     dead, alive = await fake("decode"), await fake("decode")
     client = await pd([prefill], [dead, alive], policy="round_robin", health_interval_ms=60_000)
-    answer = await client.complete("kv1", "/v1/chat/completions", *typed(dict(CHAT)))
+    answer = await client.complete("kv1", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert answer["usage"]["completion_tokens"] == 4
     pairs = [e["decode"] for e in logs.events(events.ROUTER_SCHEDULED)]
     assert pairs == [dead.url, alive.url] and len(prefill.seen) == 2  # one prefill leg per decode: A once, then B
@@ -44,7 +44,7 @@ async def test_a_kv_push_that_fails_with_one_decode_is_an_explicit_502_fast(fake
     client = await pd([prefill], [decode], health_interval_ms=60_000)
     started = time.monotonic()
     with pytest.raises(UpstreamError, match="decode_kv_addr"):
-        await client.complete("kv2", "/v1/chat/completions", *typed(dict(CHAT)))
+        await client.complete("kv2", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert time.monotonic() - started < 5.0  # upper bound: catches a retry loop or a hang
     assert len(prefill.seen) == 1 and decode.seen == []
     assert all(b.in_flight == 0 for b in client.fleet.scheduler.backends)
@@ -56,7 +56,7 @@ async def test_the_request_deadline_bounds_everything_before_the_answer(fake, pd
     client = await pd([await fake("prefill")], [decode], deadline_ms=300, max_retries=0)
     started = time.monotonic()
     with pytest.raises(UpstreamTimeout) as caught:
-        await client.complete("dl", "/v1/chat/completions", *typed(dict(CHAT)))
+        await client.complete("dl", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     # Lower bound: the deadline really waited; upper bound (2.5 s) proves it cut the 3 s decode short.
     assert 0.25 <= time.monotonic() - started < 2.5
     assert caught.value.code == "deadline_exceeded" and caught.value.headers["Retry-After"] == "1"
@@ -71,7 +71,7 @@ async def test_a_streamed_request_gets_its_first_byte_within_the_deadline_or_an_
     client = await pd([await fake("prefill")], [decode], deadline_ms=300, max_retries=0)
     started = time.monotonic()
     with pytest.raises(UpstreamTimeout):
-        async for _ in client.stream("dls", "/v1/chat/completions", *typed(dict(CHAT, stream=True))):
+        async for _ in client.stream("dls", "chat", "/v1/chat/completions", *typed(dict(CHAT, stream=True))):
             pass
     assert 0.25 <= time.monotonic() - started < 2.5
 
@@ -83,10 +83,10 @@ async def test_an_open_circuit_goes_half_open_as_soon_as_health_says_serving(fak
     client = await pd([prefill], [decode], breaker_failures=2, breaker_cooldown_ms=60_000, max_retries=0, health_interval_ms=100)
     for _ in range(2):
         with pytest.raises(UpstreamError):
-            await client.complete("hb", "/v1/chat/completions", *typed(dict(CHAT)))
+            await client.complete("hb", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert backend(client, decode.url).breaker.state in ("open", "half_open")
     await until(lambda: backend(client, decode.url).breaker.state == "half_open", "half-open after a SERVING probe", 5.0)
-    assert (await client.complete("hb", "/v1/chat/completions", *typed(dict(CHAT))))["usage"]["completion_tokens"] == 4
+    assert (await client.complete("hb", "chat", "/v1/chat/completions", *typed(dict(CHAT))))["usage"]["completion_tokens"] == 4
     assert backend(client, decode.url).breaker.state == "closed"
 
 
@@ -98,7 +98,7 @@ async def test_a_refused_connection_marks_the_backend_down_at_once_and_re_picks(
     client = await pd([prefill], [gone, alive], policy="round_robin", health_interval_ms=60_000)
     await gone.stop()
     for i in range(2):
-        assert (await client.complete(f"rf{i}", "/v1/chat/completions", *typed(dict(CHAT))))["usage"]["completion_tokens"] == 4
+        assert (await client.complete(f"rf{i}", "chat", "/v1/chat/completions", *typed(dict(CHAT))))["usage"]["completion_tokens"] == 4
     assert not backend(client, gone.url).up and len(alive.seen) == 2
 
 

@@ -29,14 +29,14 @@ CACHED = vllm_capture("vllm_nixl_cached")
 
 
 async def collect(client, body=CHAT, request_id="r1"):
-    return [chunk async for batch in client.stream(request_id, "/v1/chat/completions", *typed({**body, "stream": True})) for chunk in batch]
+    return [chunk async for batch in client.stream(request_id, "chat", "/v1/chat/completions", *typed({**body, "stream": True})) for chunk in batch]
 
 
 async def test_the_real_prefill_answer_reaches_decode_whole(fake, pd):
     prefill = await fake("prefill", prefill_answer=PREFILL["answer"])
     decode = await fake("decode", kv_port=None, decode_answer=PREFILL["decode_answer"])
     client = await pd([prefill], [decode], kv_connector="nixl")
-    answer = await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
+    answer = await client.complete("r1", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     await collect(client)
     sent = PREFILL["answer"]["kv_transfer_params"]
     assert len(sent) == 14
@@ -50,7 +50,7 @@ async def test_eos_at_prefill_is_the_finished_answer(fake, pd, logs):
     prefill = await fake("prefill", prefill_answer=EOS["answer"])
     decode = await fake("decode", kv_port=None)
     client = await pd([prefill], [decode], kv_connector="nixl")
-    answer = await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
+    answer = await client.complete("r1", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert answer["choices"][0]["finish_reason"] == "stop" and answer["usage"]["completion_tokens"] == 1
     assert "kv_transfer_params" not in answer
     chunks = await collect(client, request_id="r2")
@@ -83,7 +83,7 @@ async def test_cached_tokens_are_the_prefills_view(fake, pd):
     prefill = await fake("prefill", prefill_answer=second["prefill"])
     decode = await fake("decode", kv_port=None, decode_answer=decode_view)
     client = await pd([prefill], [decode], kv_connector="nixl")
-    answer = await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
+    answer = await client.complete("r1", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
     chunks = await collect(client, {**CHAT, "stream_options": {"include_usage": True}})
     assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
@@ -96,7 +96,7 @@ async def test_cached_tokens_from_the_prefill_usage_without_the_key(fake, pd):
     prefill = await fake("prefill", prefill_answer=prefill_answer)
     decode = await fake("decode", kv_port=None, decode_answer=CACHED["first"]["decode"])
     client = await pd([prefill], [decode], kv_connector="nixl")
-    answer = await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
+    answer = await client.complete("r1", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
 
 
@@ -109,7 +109,7 @@ async def test_decode_leg_is_never_sent_after_the_kv_lease(fake, pd, logs):
     decodes = [await fake("decode", kv_port=None), await fake("decode", kv_port=None)]
     client = await pd([prefill], decodes, kv_connector="nixl", max_retries=1, clock=lambda: next(ticks))
     with pytest.raises(UpstreamError, match="KV blocks expired") as caught:
-        await client.complete("r1", "/v1/chat/completions", *typed(dict(CHAT)))
+        await client.complete("r1", "chat", "/v1/chat/completions", *typed(dict(CHAT)))
     assert caught.value.code == "kv_expired"
     assert decodes[0].seen == decodes[1].seen == [] and len(prefill.seen) == 2
     expired = logs.events(events.ROUTER_KV_EXPIRED)
