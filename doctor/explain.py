@@ -1,6 +1,6 @@
 """`python -m doctor explain REQUEST_ID`: one request's path across the services, hop by hop, with durations.
 
-Hops: router queue (router.scheduled's queue_ms: parsed → scheduled), prefill compute (prefill's engine.prefill_done prefill_ms),
+Hops: router queue (router.scheduled's queue_ms: the PD flow took it → scheduled), prefill compute (prefill's engine.prefill_done prefill_ms),
 KV push (kv_producer.sent transfer_ms; decode's claim wait), decode first token (KV hand-off → the
 router's decode_first_token), stream (first token → router.request_done). Containers' clocks
 disagree, so positions come from the router's own timestamps (one clock) and each engine's durations
@@ -28,7 +28,7 @@ COLORS = {"router": "#7f7f7f", "prefill": "#1f77b4", "kv": "#ff7f0e", "decode": 
 class Hop:
     name: str  # router queue | prefill compute | KV push | decode first token | stream
     lane: str  # router | prefill | kv | decode
-    start_ms: float  # from when the router parsed the request, on the router's clock
+    start_ms: float  # from when the request entered the router's PD flow, on the router's clock
     duration_ms: float
     source: str  # the event.field the duration comes from
 
@@ -41,7 +41,7 @@ def _ts(value: str) -> datetime | None:
 
 
 def _start(router: dict[str, Record], t: Timeline) -> tuple[datetime | None, str]:
-    """When the router parsed the request, and the router-queue hop's source: router.scheduled less its queue_ms
+    """When the request entered the router's PD flow, and the router-queue hop's source: router.scheduled less its queue_ms
     (older routers logged router.request_received instead); else the request's first timestamped line."""
     scheduled, received = router.get(events.ROUTER_SCHEDULED), router.get(events.ROUTER_REQUEST_RECEIVED)
     if received is None and scheduled is not None and scheduled[events.QUEUE_MS] is not None \

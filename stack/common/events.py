@@ -123,7 +123,7 @@ BLOCKS_NEEDED = Field("blocks_needed", int, 4)
 BLOCKS_FREE = Field("blocks_free", int, 1)
 PREFILL_MS = Field("prefill_ms", float, 32.0)
 QUEUE_MS = Field("queue_ms", float, 0.4, "time waiting: an engine's for the first step; router.scheduled's since the "
-                 "request was parsed (the router's queue, on attempt 1)")
+                 "request entered the PD flow (the router's queue, on attempt 1)")
 TTFT_MS = Field("ttft_ms", float, 35.2)
 FINISH_REASON = Field("finish_reason", str, "length", "stop | length | abort | error")
 E2E_MS = Field("e2e_ms", float, 98.5)
@@ -359,11 +359,11 @@ LIMIT_STORE_UNAVAILABLE = Event("limit_store.unavailable", ROUTER,
                                 "Redis did not answer: generation requests get 503 limits_unavailable until it does",
                                 required=(STORE_URL, STORE_OP, ERROR), level="ERROR")
 # Retired (RETIRED below): router.scheduled carries its api, model and stream, and its queue_ms says when the request
-# was parsed, so a request's router hop is one line. Those four are optional there only because older routers' lines
+# entered the PD flow, so a request's router hop is one line. Those four are optional there only because older routers' lines
 # lack them; the router logs all four on every attempt.
 ROUTER_REQUEST_RECEIVED = Event("router.request_received", ROUTER, "a generation request was parsed",
                                 required=(API, MODEL, STREAM))
-ROUTER_SCHEDULED = Event("router.scheduled", ROUTER, "a prefill/decode pair was picked for an attempt of a parsed request",
+ROUTER_SCHEDULED = Event("router.scheduled", ROUTER, "a prefill/decode pair was picked for an attempt of a request",
                          required=(PREFILL_URL, DECODE_URL, POLICY, MODE, ATTEMPT),
                          optional=(PREFILL_ATTEMPT, API, MODEL, STREAM, QUEUE_MS))
 ROUTER_QUEUED = Event("router.queued", ROUTER, "every backend slot is busy; the request waits",

@@ -171,7 +171,7 @@ async def test_a_generation_request_logs_one_summary_line_not_an_access_line_too
 
 async def test_a_parsed_request_has_one_router_line_before_its_legs_naming_api_model_and_stream(router, logs) -> None:
     """router.scheduled is the request's line before its legs (there is no separate 'received' line): it names the
-    client's API, the model it asked for, whether it streams, and how long the router held it (queue_ms)."""
+    client's API, the model it asked for, whether it streams, and how long it waited for its pair (queue_ms)."""
     asked = [("chat", "/v1/chat/completions", chat_body()),
              ("completions", "/v1/completions", {"model": MODEL, "prompt": "Say hello", "max_tokens": 4, "stream": True}),
              ("messages", "/v1/messages", chat_body(stream=True)),
