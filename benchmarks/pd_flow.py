@@ -41,12 +41,9 @@ from stack.protocol.parse import parse
 from stack.router import pairing, pd
 from stack.router import config as router_config
 from stack.router.app import create_app
-from stack.router.backends import PoolConfig
-from stack.router.config import RouterConfig
 from stack.router.engine_http import EngineHTTP, Timeout
 from stack.router.fleet import Fleet
 from stack.router.metrics import Metrics
-from stack.router.scheduler import SchedulerConfig
 from stack.router.upstream import new_session
 
 _BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello to the benchmark."}], "max_tokens": 8,
@@ -86,9 +83,7 @@ async def measure(requests: int, rounds: int, tmp: Path) -> dict[str, list[float
     req = parse("chat", _BODY)
     raw = EngineHTTP()
     async with new_session() as session:
-        config = RouterConfig(prefill=PoolConfig(endpoint=prefill, max_concurrent=256),
-                              decode=PoolConfig(endpoint=decode, max_concurrent=256), scheduler=SchedulerConfig(health_interval_ms=0))
-        fleet = Fleet(config, session, Metrics())
+        fleet = Fleet(settings, session, Metrics())  # the router arm's settings: the same pools and scheduler
         await fleet.start()
         client = pd.PDClient(fleet, Metrics())
 
