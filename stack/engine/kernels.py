@@ -51,12 +51,16 @@ _ROWS = types.Array(types.float32, 2, "C")
 MATMUL_SIGNATURE = types.void(_ROWS, types.Array(types.float32, 2, "C", readonly=True), _ROWS)
 MATMUL_OPTIONS = {"parallel": True, "fastmath": {"reassoc", "contract", "arcp", "nsz"}, "nogil": True}
 ROW_BLOCK = 4  # rows of x per block (the caller pads x to a multiple); 6 columns a block, in the code below
-# How far ahead of the block being read the kernel asks for the same slot of a later block. With the KV of a whole
-# step in memory rather than in the L3, each of the two passes below read at ~10 GB/s of an 18 GB/s read roof: the
-# loop's work and its misses took turns. Prefetching 2 blocks ahead, a layer of batch-32 decode took 0.73-0.83x the
-# time at context 800 and 0.67-0.79x at 8k on a 2-core Xeon (whole steps 0.93x and 0.81x); 1, 2 and 3 blocks were
-# level, 8 and 16 came too early (docs/engine.md).
-PREFETCH_BLOCKS = 2
+# How a pass walks a segment's blocks: WAYS blocks at once, slot by slot (slot s of blocks i and i + 1, then slot
+# s + 1 of both, ...), and before it reads a slot it asks the CPU for the slot PREFETCH_SLOTS further on in the same
+# block (or in the block WAYS on, past the end of this one). With the KV of a whole step in memory rather than in the
+# L3, a walk of one block at a time kept too few cache misses in flight: on a 2-core Xeon (model 167) a bare walk of
+# it that only summed the KV took 0.83x the kernel's time. Two blocks' streams at once, prefetched two slots ahead,
+# took a layer of batch-32 decode in 0.74-0.76x the time of one block prefetched two blocks ahead (contexts 800, 8k);
+# without the prefetch, two blocks at once gained nothing, and four or eight blocks or other distances were no
+# better (docs/engine.md).
+WAYS = 2
+PREFETCH_SLOTS = 2
 LINE_FLOATS = 16  # float32s in a 64-byte cache line
 
 
@@ -122,13 +126,44 @@ def exp_shifted(row: np.ndarray, top: float, bits: np.ndarray) -> float:  # prag
     return total
 
 
+@numba.njit(inline="always")
+def prefetch_ahead(pool: np.ndarray, table: np.ndarray, i: int, slot: int) -> None:  # pragma: no cover - compiled
+    """Before a pass reads slot `slot` of block table[i]: prefetch the slot PREFETCH_SLOTS further on in the same
+    block, or in the block WAYS on (the next the walk reads in that place). Past the table's last entry it asks for
+    its last block again: harmless (a table's padding is block 0 anyway)."""
+    ahead = slot + PREFETCH_SLOTS
+    bs = pool.shape[1]
+    if ahead < bs:
+        prefetch_slot(pool, table[i], ahead)
+    else:
+        prefetch_slot(pool, table[min(i + WAYS, table.shape[0] - 1)], ahead - bs)
+
+
 @numba.njit(fastmath=True, inline="always")
-def softmax_weights(row: np.ndarray, bits: np.ndarray) -> float:  # pragma: no cover - compiled
-    """row (n,) scores -> exp(row - max(row)) in place; answers 1 / their sum. bits (n,) int32 scratch."""
-    top = row[0]
-    for p in range(1, row.shape[0]):
-        top = max(top, row[p])
-    return 1.0 / exp_shifted(row, top, bits)
+def score_key(qg: np.ndarray, k_pool: np.ndarray, block: int, slot: int, p: int, seen: np.ndarray,
+              scores: np.ndarray, top: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Key p (k_pool[block, slot]) against every query row: scores[:, :, p], and top (KV, rows) each row's running
+    maximum over the keys it sees (p < seen[r]), so the softmax needs no pass of its own for it."""
+    for h in range(k_pool.shape[2]):
+        for r in range(qg.shape[1]):
+            dot = np.float32(0)
+            for d in range(k_pool.shape[3]):
+                dot += qg[h, r, d] * k_pool[block, slot, h, d]
+            scores[h, r, p] = dot
+            if p < seen[r] and dot > top[h, r]:  # always seen for a decode token: the branch predicts
+                top[h, r] = dot
+
+
+@numba.njit(fastmath=True, inline="always")
+def add_value(acc: np.ndarray, v_pool: np.ndarray, block: int, slot: int, p: int, seen: np.ndarray,
+              scores: np.ndarray) -> None:  # pragma: no cover - compiled
+    """Value p (v_pool[block, slot]) into every row that sees it, weighted by its softmax numerator."""
+    for h in range(v_pool.shape[2]):
+        for r in range(acc.shape[1]):
+            if p < seen[r]:
+                w = scores[h, r, p]
+                for d in range(v_pool.shape[3]):
+                    acc[h, r, d] += w * v_pool[block, slot, h, d]
 
 
 def exp_rows(scores: np.ndarray, shift: np.ndarray, sums: np.ndarray) -> None:  # pragma: no cover - compiled
@@ -153,49 +188,47 @@ def paged_decode(q: np.ndarray, k_pool: np.ndarray, v_pool: np.ndarray, tables: 
 
     One task per segment, all its KV heads: a slot's keys of every head lie together in the pool (KV * hd floats),
     so a task reads whole runs of memory. A task per (segment, KV head) read a quarter of each run and was 1.4x
-    slower at 2 segments and 2x at 32 (docs/engine.md)."""
+    slower at 2 segments and 2x at 32 (docs/engine.md). Both passes walk WAYS blocks at once (see WAYS)."""
     bs, KV, hd = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
     G = q.shape[1] // KV
     for b in prange(starts.shape[0]):
         first, T = offsets[b], offsets[b + 1] - offsets[b]
         rows = T * G  # query rows of a KV head's group: row t*G + g is query t, head h*G + g
         keys = starts[b] + T  # keys the last query sees
-        shared = keys - T + 1  # keys every query sees (a decode token's: all)
+        seen = np.empty(rows, np.int64)  # (rows,) keys row r sees: [0, starts[b] + t] (causal; a decode token: all)
         qg = np.empty((KV, rows, hd), np.float32)  # (KV, rows, hd) the queries by KV head, contiguous
+        for t in range(T):
+            for g in range(G):
+                seen[t * G + g] = starts[b] + t + 1
         for h in range(KV):
             for t in range(T):
                 for g in range(G):
                     for d in range(hd):
                         qg[h, t * G + g, d] = q[first + t, h * G + g, d]
+        table = tables[b]
+        blocks = (keys + bs - 1) // bs
         scores = np.empty((KV, rows, keys), np.float32)  # (KV, rows, keys): 2 MiB for a decode token at 64k keys
-        last = tables.shape[1] - 1
-        for i in range((keys + bs - 1) // bs):  # each key read once for every row of its group, block by block
-            block, ahead = tables[b, i], tables[b, min(i + PREFETCH_BLOCKS, last)]  # padding past a table: block 0, harmless
-            for slot in range(min(bs, keys - i * bs)):
-                prefetch_slot(k_pool, ahead, slot)
-                for h in range(KV):
-                    for r in range(rows):
-                        dot = np.float32(0)
-                        for d in range(hd):
-                            dot += qg[h, r, d] * k_pool[block, slot, h, d]
-                        scores[h, r, i * bs + slot] = dot
+        top = np.full((KV, rows), -np.inf, np.float32)  # (KV, rows) each row's largest score
+        for i in range(0, blocks, WAYS):  # each key read once for every row of its group
+            for slot in range(bs):
+                for w in range(min(WAYS, blocks - i)):
+                    p = (i + w) * bs + slot
+                    if p < keys:
+                        prefetch_ahead(k_pool, table, i + w, slot)
+                        score_key(qg, k_pool, table[i + w], slot, p, seen, scores, top)
         scale = np.empty((KV, rows), np.float32)  # (KV, rows) 1 / softmax denominator
-        bits = np.empty(keys, np.int32)  # (keys,) softmax_weights' scratch
+        bits = np.empty(keys, np.int32)  # (keys,) exp_shifted's scratch
         for h in range(KV):
             for r in range(rows):
-                scale[h, r] = softmax_weights(scores[h, r, : shared + r // G], bits)  # causal: keys [0, starts[b] + t]
+                scale[h, r] = 1.0 / exp_shifted(scores[h, r, : seen[r]], top[h, r], bits)
         acc = np.zeros((KV, rows, hd), np.float32)  # (KV, rows, hd) unnormalised output
-        for i in range((keys + bs - 1) // bs):  # each value read once for every row that sees it
-            block, ahead = tables[b, i], tables[b, min(i + PREFETCH_BLOCKS, last)]
-            for slot in range(min(bs, keys - i * bs)):
-                prefetch_slot(v_pool, ahead, slot)
-                p = i * bs + slot
-                for h in range(KV):
-                    for r in range(rows):
-                        if p < shared + r // G:  # always so for a decode token: the branch predicts
-                            w = scores[h, r, p]
-                            for d in range(hd):
-                                acc[h, r, d] += w * v_pool[block, slot, h, d]
+        for i in range(0, blocks, WAYS):  # each value read once for every row that sees it, in the same order
+            for slot in range(bs):
+                for w in range(min(WAYS, blocks - i)):
+                    p = (i + w) * bs + slot
+                    if p < keys:
+                        prefetch_ahead(v_pool, table, i + w, slot)
+                        add_value(acc, v_pool, table[i + w], slot, p, seen, scores)
         for h in range(KV):
             for r in range(rows):
                 t, g = r // G, r % G

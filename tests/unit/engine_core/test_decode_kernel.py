@@ -185,14 +185,15 @@ def test_a_lone_decode_stays_on_numpy_and_two_take_the_kernel(tiny_model: Model,
 
 
 def test_the_kernels_softmax_matches_numpys_over_the_whole_float32_range() -> None:
-    """The kernel computes exp itself (kernels.softmax_weights): scores from far below float32's underflow to large ones,
+    """The kernel computes exp itself (kernels.exp_shifted, shifted by the row's maximum as the QK pass finds it):
+    scores from far below float32's underflow to large ones,
     against numpy's exp in float64. Within 1e-5 relative wherever the weight is above 1e-30 (1e-7 near the top);
     lighter weights (below exp(-87): float32's smallest normal instead of 0) are off by less than 1e-35."""
     from stack.engine import kernels
 
     scores = np.concatenate([np.linspace(-300, 80, 4001), [80.0, 79.3, -87.5, 0.0]]).astype(np.float32)  # (4005,)
     row = scores.copy()
-    inverse = kernels.softmax_weights(row, np.empty(row.shape[0], np.int32))
+    inverse = 1 / kernels.exp_shifted(row, scores.max(), np.empty(row.shape[0], np.int32))
     expected = np.exp(scores.astype(np.float64) - scores.max())
     weighty = expected > 1e-30
     np.testing.assert_allclose(row[weighty], expected[weighty], rtol=1e-5)
