@@ -26,7 +26,7 @@ from typing import Callable
 import openai
 
 from stack.engine import tiny_llama
-from tests.unit.router_front.conftest import free_port
+from tests.ports import late_bound_port
 from tests.vllm.conftest import INSTALL_BOUND_S, KEY, MODEL, REPO, RouterProcess, VllmServer, stop_all
 from tests.vllm.test_pd_nixl import kv_config
 
@@ -63,7 +63,7 @@ class Pair:
         self.started.append(self.router)
 
     def _env(self, core: str) -> dict[str, str]:
-        return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+        return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(late_bound_port()),
                 "VLLM_CPU_OMP_THREADS_BIND": core, **self.env}
 
     def _engine(self, name: str, role: str, args: tuple[str, ...], env: dict[str, str], port: int | None = None) -> VllmServer:

@@ -23,7 +23,8 @@ import aiohttp
 import openai
 import pytest
 
-from tests.vllm.conftest import KEY, MODEL, SERVED, RouterProcess, VllmServer, free_port, stop_all
+from tests.ports import late_bound_port
+from tests.vllm.conftest import KEY, MODEL, SERVED, RouterProcess, VllmServer, stop_all
 
 FIXTURES = Path(__file__).resolve().parents[1] / "unit/router_pd/fixtures"
 HELLO = [{"role": "user", "content": "Explain the key value cache in one sentence"}]
@@ -37,7 +38,7 @@ def kv_config(role: str) -> str:
 
 
 def pd_server(venv: Path, checkpoint: Path, workdir: Path, role: str, core: str) -> VllmServer:
-    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(late_bound_port()),
            # each engine's OpenMP threads on its own core, so a busy prefill never preempts decode's step
            "VLLM_CPU_OMP_THREADS_BIND": core}
     return VllmServer(venv, checkpoint, workdir / f"vllm-{role}.log", "--kv-transfer-config", kv_config(role),
