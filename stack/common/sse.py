@@ -76,44 +76,71 @@ async def read_events(content: StreamReader) -> AsyncIterator[tuple[str | None, 
 
 
 async def read_event_batches(content: StreamReader) -> AsyncIterator[list[tuple[str | None, bytes]]]:
-    """The frames of an aiohttp response body, as one non-empty list per network read that completed any.
+    """The frames of an aiohttp response body, as one non-empty list per network read that completed any
+    (FrameReader)."""
+    reader = FrameReader(content)
+    while (batch := await reader.batch()) is not None:
+        yield batch
+
+
+class FrameReader:
+    """The frames of a response body as they arrive: `await reader.batch()` is the next non-empty list of frames, those
+    of one network read, or None once the body has ended. `content` is anything with aiohttp's `readany()` (b"" at
+    the end): aiohttp's StreamReader, or the router's engine_http.Response.
 
     Each frame is `(event name or None, data bytes)`: the data stays bytes so that a relay can forward a frame it
     does not need to read without decoding it (stack/router/relay.py); it is checked to be UTF-8 all the same.
     Comment lines (`:` heartbeats) are skipped; multi-line `data:` fields are joined with `\\n`
-    as the SSE spec says. A final frame without its blank line is still yielded.
+    as the SSE spec says. A final frame without its blank line is still returned.
     Reads whatever bytes have arrived and splits lines itself: one await per network read rather
-    than one per line halves the router's per-token relay cost (see benchmarks/router.py).
+    than one per line halves the router's per-token relay cost (see benchmarks/router.py). A class rather than an
+    async generator: a streamed chunk passes through one coroutine here instead of two generators' frames.
     """
-    event: str | None = None
-    data_lines: list[bytes] = []
-    pending = b""  # an incomplete last line (possibly a split UTF-8 sequence) waits for more bytes
-    async for block in content.iter_any():
-        data = pending + block if pending else block
+
+    def __init__(self, content: Any) -> None:
+        self._content = content
+        self._event: str | None = None
+        self._data_lines: list[bytes] = []
+        self._pending = b""  # an incomplete last line (possibly a split UTF-8 sequence) waits for more bytes
+        self._ended = False
+
+    async def batch(self) -> list[tuple[str | None, bytes]] | None:
+        while not self._ended:
+            block = await self._content.readany()
+            if not block:
+                self._ended = True
+                return self._last()
+            if batch := self._feed(block):
+                return batch
+        return None
+
+    def _feed(self, block: bytes) -> list[tuple[str | None, bytes]]:
+        data = self._pending + block if self._pending else block
         complete = data.rfind(b"\n") + 1  # b"\n" never occurs inside a UTF-8 sequence: the complete lines are whole text
-        pending = data[complete:]
+        self._pending = data[complete:]
         lines = data[:complete]
         lines.decode("utf-8")  # bytes that are not UTF-8 fail here (UnicodeDecodeError), as when every frame was decoded
         batch: list[tuple[str | None, bytes]] = []
         for line in lines.split(b"\n")[:-1]:
             line = line.rstrip(b"\r")
             if not line:
-                if data_lines:
-                    batch.append((event, b"\n".join(data_lines)))
-                event, data_lines = None, []
+                if self._data_lines:
+                    batch.append((self._event, b"\n".join(self._data_lines)))
+                self._event, self._data_lines = None, []
             elif line.startswith(b"data:"):
-                data_lines.append(line[5:].removeprefix(b" "))
+                self._data_lines.append(line[5:].removeprefix(b" "))
             elif line.startswith(b":"):
                 continue
             elif line.startswith(b"event:"):
-                event = line[6:].decode().strip()
-        if batch:
-            yield batch
-    pending.decode("utf-8")
-    line = pending.rstrip(b"\r")
-    if line.startswith(b"data:"):
-        data_lines.append(line[5:].removeprefix(b" "))
-    elif line.startswith(b"event:"):
-        event = line[6:].decode().strip()
-    if data_lines:
-        yield [(event, b"\n".join(data_lines))]
+                self._event = line[6:].decode().strip()
+        return batch
+
+    def _last(self) -> list[tuple[str | None, bytes]] | None:
+        """The frame of a body that ended without its blank line, if any."""
+        self._pending.decode("utf-8")
+        line = self._pending.rstrip(b"\r")
+        if line.startswith(b"data:"):
+            self._data_lines.append(line[5:].removeprefix(b" "))
+        elif line.startswith(b"event:"):
+            self._event = line[6:].decode().strip()
+        return [(self._event, b"\n".join(self._data_lines))] if self._data_lines else None

@@ -69,8 +69,8 @@ class _Origin:
 class Response:
     """An engine's answer: status and headers once `EngineHTTP.post` returns, the body as it arrives.
 
-    `content.iter_any()` yields whatever bytes have arrived at each wake-up (aiohttp's StreamReader shape, which
-    sse.read_event_batches reads); `read()` the whole body."""
+    `content.readany()` answers whatever bytes have arrived at each wake-up, b"" at the end, and `iter_any()` yields
+    them (aiohttp's StreamReader shape, which sse.FrameReader reads); `read()` the whole body."""
 
     def __init__(self, connection: _Connection) -> None:
         self._connection = connection
@@ -100,29 +100,29 @@ class Response:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def _wait(self) -> None:
-        self._waiter = self._connection.loop.create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-
     # --- read by the leg ---
+    async def readany(self) -> bytes:
+        """Whatever bytes have arrived, waiting for some; b"" once the body has ended."""
+        while not self._chunks and not self._done and self._error is None:
+            self._waiter = self._connection.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self._chunks:
+            data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+            self._chunks.clear()
+            self._buffered = 0
+            if not self._done:  # an ended answer's connection is already back in its pool, maybe serving another
+                self._connection.resume()
+            return data
+        if self._error is not None:
+            raise self._error
+        return b""
+
     async def iter_any(self) -> AsyncIterator[bytes]:
-        while True:
-            while not self._chunks and not self._done and self._error is None:
-                await self._wait()
-            if self._chunks:
-                data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-                self._chunks.clear()
-                self._buffered = 0
-                if not self._done:  # an ended answer's connection is already back in its pool, maybe serving another
-                    self._connection.resume()
-                yield data
-            elif self._error is not None:
-                raise self._error
-            else:
-                return
+        while data := await self.readany():
+            yield data
 
     async def read(self) -> bytes:
         parts = [data async for data in self.iter_any()]

@@ -29,7 +29,7 @@ from typing import Any
 from stack.common import events
 from stack.common.errors import UpstreamError, UpstreamTimeout
 from stack.common.logging import log_event
-from stack.common.sse import DONE_DATA, read_event_batches
+from stack.common.sse import DONE_DATA, FrameReader
 from stack.protocol.types import Request
 from stack.router.deadlines import budgets
 from stack.router.fleet import Fleet
@@ -92,7 +92,7 @@ class PDClient:
             if leg.answer is not None:  # the prefill finished the answer: its JSON, as the chunks decode would have sent
                 yield answer_chunks(leg.answer)
                 return
-            assert leg.batches is not None and leg.first is not None, "stream leg opened without a first chunk"
+            assert leg.reader is not None and leg.first is not None, "stream leg opened without a first chunk"
             done = False
             passthrough = Passthrough(leg.first.get("model"), raw_model) if raw_model is not None else None
             chunks: list[dict[str, Any] | bytes] = [leg.first]
@@ -120,7 +120,7 @@ class PDClient:
                     raise bad
                 if done:
                     break
-                batch = await anext(leg.batches, None)
+                batch = await leg.reader.batch()
                 if batch is None:
                     break
                 chunks, frames = [], [data for _event, data in batch]
@@ -256,8 +256,8 @@ class PDClient:
                 stream_timeout = leg_timeout(self.settings.connect_timeout_ms, self.settings.request_timeout_ms + work_ms,
                                              self.settings.idle_timeout_ms, round(first_chunk_s * 1000))
                 response = await open_stream(self.fleet.engines, decode, job.path, body, leg_id, stream_timeout)
-                batches = aiter(read_event_batches(response.content))
-                frames = [data for _event, data in await anext(batches, [(None, DONE_DATA)])]
+                reader = FrameReader(response.content)
+                frames = [data for _event, data in await reader.batch() or [(None, DONE_DATA)]]
                 if frames[0] == DONE_DATA:
                     raise LegFailed(UpstreamError("the decode engine closed the stream before its first chunk"), retryable=True)
                 first = parse_chunk(decode, frames[0])
@@ -271,7 +271,7 @@ class PDClient:
                 exc = exc if computes_prompt else exc.after_prefill(decode)
             raise exc
         self._first_token(job, pair, sent)
-        return Leg(decode, response=response, batches=batches, first=first, rest=frames[1:])
+        return Leg(decode, response=response, reader=reader, first=first, rest=frames[1:])
 
     def _first_token(self, job: Job, pair: Pair, sent: float) -> None:
         """Streams only: a non-streamed answer has no first-token moment the router can see."""

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from stack.common import events
 from stack.common.logging import log_event
-from stack.common.sse import dumps
+from stack.common.sse import FrameReader, dumps
 from stack.router.backends import Backend
 from stack.router.engine_http import Response
 from stack.router.metrics import Metrics
@@ -34,7 +33,7 @@ class Leg:
     decode: Backend
     answer: dict[str, Any] | None = None
     response: Response | None = None
-    batches: AsyncIterator[list[tuple[str | None, bytes]]] | None = None  # the rest of the stream, per network read
+    reader: FrameReader | None = None  # the rest of the stream, a network read's frames at a time
     first: dict[str, Any] | None = None  # the first chunk, checked before anything reached the client
     rest: list[bytes] = field(default_factory=list)  # the other frames' data that arrived with the first
     prefill_cached: int | None = None  # prompt tokens the prefill found in its prefix cache (what usage reports)

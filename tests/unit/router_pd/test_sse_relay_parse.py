@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -19,9 +18,8 @@ class Wire:
     def __init__(self, pieces: list[bytes]) -> None:
         self.pieces = pieces
 
-    async def iter_any(self) -> AsyncIterator[bytes]:
-        for piece in self.pieces:
-            yield piece
+    async def readany(self) -> bytes:
+        return self.pieces.pop(0) if self.pieces else b""
 
 
 async def parse(pieces: list[bytes]) -> list[tuple[str | None, str]]:
