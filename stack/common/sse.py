@@ -136,11 +136,5 @@ class FrameReader:
         return batch
 
     def _last(self) -> list[tuple[str | None, bytes]] | None:
-        """The frame of a body that ended without its blank line, if any."""
-        self._pending.decode("utf-8")
-        line = self._pending.rstrip(b"\r")
-        if line.startswith(b"data:"):
-            self._data_lines.append(line[5:].removeprefix(b" "))
-        elif line.startswith(b"event:"):
-            self._event = line[6:].decode().strip()
-        return [(self._event, b"\n".join(self._data_lines))] if self._data_lines else None
+        """The frame of a body that ended without its blank line, if any: its last line ended as a frame ends."""
+        return self._feed(b"\n\n") or None  # _feed puts the pending line first
