@@ -35,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +65,7 @@ def _backend_app(tokens: int, pace_ms: float) -> web.Application:
         params = body.get("kv_transfer_params") or {}
         if params.get("do_remote_decode"):
             return web.json_response({**answer, "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": False,
-                                                                       "transfer_id": params["transfer_id"], "num_tokens": 8}})
+                                                                       "transfer_id": params.get("transfer_id"), "num_tokens": 8}})
         if not body.get("stream"):
             return web.json_response(answer)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -115,10 +114,13 @@ def _bare_pd_app(prefill: str, decode: str) -> web.Application:
         req = parse("chat", body)  # what the API front end hands the PD flow: the parsed request and its body
         if not req.stream:
             return web.json_response(await pd.complete(rid, "chat", "/v1/chat/completions", req, body))
-        stream = await open_stream(request)
-        async with aclosing(pd.stream(rid, "chat", "/v1/chat/completions", req, body)) as batches:
-            async for batch in batches:
+        decode = await pd.open(rid, "chat", "/v1/chat/completions", req, body)
+        try:
+            stream = await open_stream(request)
+            while (batch := await decode.next()) is not None:
                 await stream.write(b"".join(frame(chunk) for chunk in batch))
+        finally:
+            decode.close()
         await send_done(stream)
         return stream
 

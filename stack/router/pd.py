@@ -1,13 +1,13 @@
 """The PD flow: pair, prefill leg, decode leg, relay.
 
-    complete(): decode answers one JSON body          stream(): decode's SSE chunks, yielded as lists of dicts (raw_model:
-                                                      ordinary token chunks as their bytes, relay.Passthrough)
+    complete(): decode answers one JSON body          open(): a DecodeStream of decode's SSE chunks, read as lists of
+                                                      dicts (raw_model: ordinary token chunks as their bytes, relay.Passthrough)
     _run, attempt n:   1. pairing.acquire_pair: a decode first, then a prefill running its model (pairing.py)
     _prefill:          2. POST P {max_tokens: 1, stream: false, the hand-off's kv_transfer_params}
                           (P failed: another P, same D; P could not hand its KV to D, or D has no room for it: a new pair)
     _decode:           3. POST D {the client's request, what P's answer hands on}; wait for its first chunk
                           (D failed before its first chunk: a new pair, attempt n+1)
-    stream:            4. relay D's chunks; a failure after the first chunk is raised to the caller, who ends the
+    DecodeStream.next: 4. relay D's chunks; a failure after the first chunk is raised to the caller, who ends the
                           client's stream in-band. A stream that ends without a finish_reason and `[DONE]` is an
                           error, never a silent truncation.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -78,78 +78,14 @@ class PDClient:
         report_cached(answer.get("usage"), leg.prefill_cached)
         return answer
 
-    async def stream(self, request_id: str, api: str, path: str, req: Request, body: dict[str, Any],
-                     headers: Mapping[str, str] = NO_HEADERS, raw_model: str | None = None) -> AsyncIterator[list[dict[str, Any] | bytes]]:
-        """4. Relay: yield the decode engine's chunks as dicts, in batches: the chunks of one network read, so the API
-        writes them in one send. Always ends with a usage chunk. `headers`: the client's (session affinity). `raw_model`:
-        for an API that forwards the engine's chunks as they are, an ordinary token chunk comes as its JSON bytes,
-        undecoded, with this model id in (relay.Passthrough); the first chunk, the finishing one, usage and errors are
-        parsed either way."""
+    async def open(self, request_id: str, api: str, path: str, req: Request, body: dict[str, Any],
+                   headers: Mapping[str, str] = NO_HEADERS, raw_model: str | None = None) -> DecodeStream:
+        """Run a streamed request until decode's first chunk (or the prefill's finished answer): the stream the API
+        relays (`DecodeStream`). A failure before it raises the client's error, as `complete` does. `headers`: the
+        client's (session affinity). `raw_model`: for an API that forwards the engine's chunks as they are, an
+        ordinary token chunk comes as its JSON bytes, undecoded, with this model id in (relay.Passthrough)."""
         job, tried = self._job(request_id, api, path, req, body, headers, True)
-        leg = await self._run_within_deadline(job, tried)
-        tally = Tally(self.metrics, job.started)
-        try:
-            if leg.answer is not None:  # the prefill finished the answer: its JSON, as the chunks decode would have sent
-                yield answer_chunks(leg.answer)
-                return
-            assert leg.reader is not None and leg.first is not None, "stream leg opened without a first chunk"
-            done = False
-            passthrough = Passthrough(leg.first.get("model"), raw_model) if raw_model is not None else None
-            chunks: list[dict[str, Any] | bytes] = [leg.first]
-            frames = leg.rest
-            while True:
-                bad: Exception | None = None  # a bad frame fails the stream after the good ones before it
-                for data in frames:
-                    if data == DONE_DATA:
-                        done = True
-                        break
-                    if passthrough is not None and (relayed := passthrough.take(data)) is not None:
-                        chunks.append(relayed)
-                        continue
-                    try:
-                        chunks.append(parse_chunk(leg.decode, data))
-                    except (LegFailed, ValueError) as exc:
-                        bad = exc
-                        break
-                if chunks:
-                    tally.count(chunks)
-                    if tally.usage is not None:  # the usage chunk came in this batch
-                        report_cached(tally.usage, leg.prefill_cached)
-                    yield chunks  # the chunks of one network read: the API writes them in one send
-                if bad is not None:
-                    raise bad
-                if done:
-                    break
-                batch = await leg.reader.batch()
-                if batch is None:
-                    break
-                chunks, frames = [], [data for _event, data in batch]
-            if not (done and tally.finished):  # never a silent truncation
-                raise LegFailed(UpstreamError("the decode engine's stream ended early (no finish_reason or [DONE]); the answer is "
-                                              "incomplete"), retryable=True)
-            if tally.usage is None:
-                # Engines that ignore include_usage: count relayed chunks (prompt from the router's estimate).
-                usage = {"prompt_tokens": job.prompt_tokens, "completion_tokens": tally.tokens,
-                         "total_tokens": job.prompt_tokens + tally.tokens}
-                yield [{"id": leg.first.get("id", ""), "object": leg.first.get("object", "chat.completion.chunk"),
-                        "created": leg.first.get("created", 0), "model": leg.first.get("model", ""), "choices": [], "usage": usage}]
-            self.pairing.outcome(leg.decode)
-            if not self.fleet.handoff.prefill_leg:
-                self.metrics.observe_prompt_cache(leg.decode, tally.usage)
-            self.metrics.observe_stream(tally.first - job.started, tally.last - tally.first, tally.tokens)  # TPOT, goodput
-        except (GeneratorExit, asyncio.CancelledError):
-            log_event(events.ROUTER_CLIENT_DISCONNECTED, "client went away; upstream decode cancelled", "WARNING",
-                      request_id=job.request_id, decode=leg.decode.url, chunks_relayed=tally.tokens)
-            raise
-        except (LegFailed, TimeoutError, ConnectionError, ValueError) as exc:
-            failure = exc if isinstance(exc, LegFailed) else exception_failure(leg.decode, exc, "mid-stream")
-            self.pairing.outcome(leg.decode, failure)
-            self._decode_failed(job, leg.decode, failure, mid_stream=True, retried=False)
-            raise failure.error from None
-        finally:
-            if leg.response is not None:
-                leg.response.close()  # unless finished, this drops the connection: the engine cancels and frees the KV
-            self.pairing.release_decode(tried)
+        return DecodeStream(self, job, tried, await self._run_within_deadline(job, tried), raw_model)
 
     async def _run_within_deadline(self, job: Job, tried: Tried) -> Leg:
         """_run under the request's deadline (deadlines.py): queue waits, legs and retries together never take longer.
@@ -287,3 +223,110 @@ class PDClient:
         log_event(events.ROUTER_DECODE_FAILED, f"decode {decode.url} failed{' mid-stream' if mid_stream else ''}: {failure.error.message}",
                   "ERROR" if mid_stream else "WARNING", request_id=job.request_id, decode=decode.url, status=failure.status,
                   error=failure.error.message, mid_stream=mid_stream, retried=retried)
+
+
+class DecodeStream:
+    """4. Relay: an open decode stream, read by the API's relay (api/common.relay) one network read at a time.
+
+    `await stream.next()` is the next non-empty list of chunks (dicts; with raw_model, ordinary token chunks as
+    bytes), or None once the stream ended complete; it always ends with a usage chunk. A failure raises the client's
+    APIError, after the good chunks before it were returned. `close()`, always: it closes an unfinished leg's
+    connection (the engine cancels and frees the KV) and frees the decode's slot. A coroutine the relay awaits, not an
+    async generator it iterates: a streamed chunk passes through one frame here (docs/router-performance.md)."""
+
+    def __init__(self, client: PDClient, job: Job, tried: Tried, leg: Leg, raw_model: str | None) -> None:
+        self.client, self.job, self.tried, self.leg = client, job, tried, leg
+        self.tally = Tally(client.metrics, job.started)
+        first = leg.first or {}
+        self.passthrough = Passthrough(first.get("model"), raw_model) if raw_model is not None else None
+        self._frames: list[bytes] = leg.rest
+        self._start: list[dict[str, Any] | bytes] | None = answer_chunks(leg.answer) if leg.answer is not None else [first]
+        self._done = leg.answer is not None  # [DONE] seen (a finished answer needs none)
+        self._over = False  # ended complete, failed, or answered whole: nothing left to say when closed
+        self._bad: Exception | None = None  # a bad frame, raised once the good chunks before it are relayed
+
+    async def next(self) -> list[dict[str, Any] | bytes] | None:
+        try:
+            if self._bad is not None:
+                raise self._bad
+            if self._start is not None:  # the first chunk, checked before anything reached the client
+                chunks, self._start = self._start, None
+                if self.leg.answer is not None:  # the prefill finished the answer: as the chunks decode would have sent
+                    self._over = True
+                    return chunks
+            else:
+                chunks = []
+            while not self._done:
+                reader = self.leg.reader
+                if not self._frames and not chunks:
+                    assert reader is not None, "stream leg opened without a reader"
+                    batch = await reader.batch()
+                    if batch is None:
+                        break
+                    self._frames = [data for _event, data in batch]
+                self._take(chunks)
+                if chunks:
+                    return chunks
+                if self._bad is not None:
+                    raise self._bad
+            return self._end()
+        except (LegFailed, TimeoutError, ConnectionError, ValueError) as exc:
+            self._over = True
+            decode = self.leg.decode
+            failure = exc if isinstance(exc, LegFailed) else exception_failure(decode, exc, "mid-stream")
+            self.client.pairing.outcome(decode, failure)
+            self.client._decode_failed(self.job, decode, failure, mid_stream=True, retried=False)
+            raise failure.error from None
+
+    def _take(self, chunks: list[dict[str, Any] | bytes]) -> None:
+        """The frames read so far into `chunks` (counted, usage reported as the prefill saw it), up to [DONE] or a
+        bad frame."""
+        frames, self._frames = self._frames, []
+        passthrough = self.passthrough
+        for data in frames:
+            if data == DONE_DATA:
+                self._done = True
+                break
+            if passthrough is not None and (relayed := passthrough.take(data)) is not None:
+                chunks.append(relayed)
+                continue
+            try:
+                chunks.append(parse_chunk(self.leg.decode, data))
+            except (LegFailed, ValueError) as exc:
+                self._bad = exc
+                break
+        if chunks:
+            self.tally.count(chunks)
+            if self.tally.usage is not None:  # the usage chunk came in this batch
+                report_cached(self.tally.usage, self.leg.prefill_cached)
+
+    def _end(self) -> list[dict[str, Any] | bytes] | None:
+        """The stream's end: checked complete (never a silent truncation), the decode's outcome and the stream's
+        metrics recorded; a usage chunk of the router's own when the engine sent none."""
+        if self._over:
+            return None
+        self._over = True
+        job, leg, tally = self.job, self.leg, self.tally
+        if not (self._done and tally.finished):
+            raise LegFailed(UpstreamError("the decode engine's stream ended early (no finish_reason or [DONE]); the answer is "
+                                          "incomplete"), retryable=True)
+        self.client.pairing.outcome(leg.decode)
+        if not self.client.fleet.handoff.prefill_leg:
+            self.client.metrics.observe_prompt_cache(leg.decode, tally.usage)
+        self.client.metrics.observe_stream(tally.first - job.started, tally.last - tally.first, tally.tokens)  # TPOT, goodput
+        if tally.usage is not None:
+            return None
+        # Engines that ignore include_usage: count relayed chunks (prompt from the router's estimate).
+        first = leg.first or {}
+        usage = {"prompt_tokens": job.prompt_tokens, "completion_tokens": tally.tokens, "total_tokens": job.prompt_tokens + tally.tokens}
+        return [{"id": first.get("id", ""), "object": first.get("object", "chat.completion.chunk"), "created": first.get("created", 0),
+                 "model": first.get("model", ""), "choices": [], "usage": usage}]
+
+    def close(self) -> None:
+        if not self._over:
+            log_event(events.ROUTER_CLIENT_DISCONNECTED, "client went away; upstream decode cancelled", "WARNING",
+                      request_id=self.job.request_id, decode=self.leg.decode.url, chunks_relayed=self.tally.tokens)
+            self._over = True
+        if self.leg.response is not None:
+            self.leg.response.close()  # unless finished, this drops the connection: the engine cancels and frees the KV
+        self.client.pairing.release_decode(self.tried)

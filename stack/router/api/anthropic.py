@@ -17,14 +17,12 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
 from stack.common.errors import REQUEST_ID
 from stack.protocol.fields import Fields
-from stack.protocol.types import Request
 from stack.router.api.anthropic_request import parse_messages_request
 from stack.router.api.anthropic_response import EventRelay, anthropic_error_body, message_body
 from stack.router.api.common import capabilities, charge, engine_body, read_json, relay
@@ -84,28 +82,21 @@ async def messages(request: web.Request) -> web.StreamResponse:
         # The prompt count for message_start: asked in parallel with the prefill leg, unless the clamp asked already.
         count = asyncio.ensure_future(_tokenize(request, upstream) if counted is None else _known(counted))
         events = EventRelay(message_id, req.model, req.sampling.stop, clamped)
-        chunks = pd.stream(request[REQUEST_ID], "messages", CHAT_PATH, req, upstream, request.headers)
-        return await relay(request, _counted(chunks, count, events, req), events)
+        try:
+            stream = await pd.open(request[REQUEST_ID], "messages", CHAT_PATH, req, upstream, request.headers)
+            try:  # message_start carries the count: it is needed before the first chunk is relayed
+                answer = await count
+            except BaseException:
+                stream.close()
+                raise
+        finally:
+            count.cancel()
+        engine_count = (answer or {}).get("count")
+        events.input_tokens = engine_count if isinstance(engine_count, int) else estimate_prompt_tokens(req)
+        return await relay(request, stream, events)
     result = await pd.complete(request[REQUEST_ID], "messages", CHAT_PATH, req, upstream, request.headers)
     charge(request, result.get("usage") or {})
     return web.json_response(message_body(result, message_id, req.model, req.sampling.stop, clamped))
-
-
-async def _counted(batches: AsyncIterator[list[dict[str, Any]]], count: asyncio.Future[dict[str, Any] | None],
-                   events: EventRelay, req: Request) -> AsyncIterator[list[dict[str, Any]]]:
-    """`batches`, with the engine's prompt count handed to `events` before the first (message_start carries it)."""
-    try:
-        first = True
-        async for batch in batches:
-            if first:
-                first = False
-                answer = await count
-                counted = (answer or {}).get("count")
-                events.input_tokens = counted if isinstance(counted, int) else estimate_prompt_tokens(req)
-            yield batch
-    finally:
-        count.cancel()
-        await batches.aclose()  # type: ignore[attr-defined]
 
 
 async def count_tokens(request: web.Request) -> web.Response:

@@ -7,10 +7,9 @@ parameter, so a client gets a precise 400 in its API's shape from the error midd
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
-from collections.abc import AsyncIterator, Iterator
-from typing import Any, Protocol, TypeVar
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -23,7 +22,8 @@ from stack.protocol.serialise import to_body
 from stack.protocol.types import Request
 from stack.router.appkeys import CONFIG, PD, STREAM_ERROR, TOKENS
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from stack.router.pd import DecodeStream
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -54,13 +54,6 @@ def charge(request: web.Request, usage: dict[str, Any] | None) -> None:
     """Note the tokens a request used; the front middleware charges them to the key when it ends."""
     if usage:
         request[TOKENS] = (int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
-
-
-async def peek(stream: AsyncIterator[T]) -> T | None:
-    """The first item of a stream (None if it is empty); errors before it surface as normal HTTP errors."""
-    async for item in stream:
-        return item
-    return None
 
 
 def capabilities(request: web.Request) -> Capabilities:
@@ -106,7 +99,7 @@ def deltas(chunk: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, An
 
 class Translator(Protocol):
     """Turns the engine's chat/completion chunks into one API's SSE frames. A chunk is bytes (an ordinary token
-    chunk's JSON as the engine sent it) only for a translator whose stream asked for them (PDClient.stream(raw_model=…))."""
+    chunk's JSON as the engine sent it) only for a translator whose stream asked for them (PDClient.open(raw_model=…))."""
 
     def chunk(self, chunk: Any) -> list[bytes]: ...
 
@@ -115,17 +108,17 @@ class Translator(Protocol):
     def error(self, err: APIError) -> list[bytes]: ...  # in-band error frames, terminal too
 
 
-async def relay(request: web.Request, batches: AsyncIterator[list[dict[str, Any] | bytes]], translator: Translator) -> web.StreamResponse:
-    """Stream the chunk `batches` of PDClient.stream to the client through `translator`, one write per
-    batch; every path ends the stream properly.
+async def relay(request: web.Request, stream: DecodeStream, translator: Translator) -> web.StreamResponse:
+    """Relay `stream` (PDClient.open) to the client through `translator`, one write per network read of the engine's;
+    every path ends the stream properly and closes `stream`.
 
-    An error before the first chunk propagates (a normal HTTP error); after it, the translator's
-    in-band error frames close the stream. A client that went away closes the upstream stream
-    (aclosing), which cancels the engine legs.
+    The first batch is taken before the client's stream opens: an error there is a normal HTTP error. After it, the
+    translator's in-band error frames close the stream. A client that went away closes the decode leg, which the engine
+    sees and cancels.
     """
-    async with contextlib.aclosing(batches):  # type: ignore[type-var]
-        batch = await peek(batches)
-        stream = await sse.open_stream(request, {REQUEST_ID_HEADER: request[REQUEST_ID]})
+    try:
+        batch = await stream.next()
+        out = await sse.open_stream(request, {REQUEST_ID_HEADER: request[REQUEST_ID]})
         relayed = 0  # token chunks sent: the charge when a broken stream never reports usage
         try:
             try:
@@ -140,16 +133,18 @@ async def relay(request: web.Request, batches: AsyncIterator[list[dict[str, Any]
                             relayed += bool(chunk.get("choices"))
                         frames += translator.chunk(chunk)
                     if frames:
-                        await stream.write(b"".join(frames))
-                    batch = await anext(batches, None)
+                        await out.write(b"".join(frames))
+                    batch = await stream.next()
                 tail = translator.end()
             except APIError as err:
                 request[STREAM_ERROR] = err.type
                 tail = translator.error(err)
-            await stream.write(b"".join(tail))
-            await stream.write_eof()
+            await out.write(b"".join(tail))
+            await out.write_eof()
         except ConnectionResetError:
-            request[STREAM_ERROR] = "client_disconnected"  # the PD client logs router.client_disconnected
+            request[STREAM_ERROR] = "client_disconnected"  # DecodeStream.close logs router.client_disconnected
         if TOKENS not in request:
             request[TOKENS] = (0, relayed)
-        return stream
+        return out
+    finally:
+        stream.close()

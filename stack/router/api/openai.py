@@ -106,13 +106,13 @@ async def _answer(request: web.Request, api: str, path: str, req: Request, upstr
         charge(request, result.get("usage"))
         return web.json_response({**result, "model": req.model}, dumps=json_text.dumps)
     # Ordinary token chunks come as the engine's bytes with the client's model id already in (relay.Passthrough).
-    batches = pd.stream(request[REQUEST_ID], api, path, req, upstream, request.headers, raw_model=req.model)
-    return await relay(request, batches, _ChunkRelay(req.model, req.include_usage))
+    stream = await pd.open(request[REQUEST_ID], api, path, req, upstream, request.headers, raw_model=req.model)
+    return await relay(request, stream, _ChunkRelay(req.model, req.include_usage))
 
 
 class _ChunkRelay:
     """OpenAI chunks pass through with the public model id; usage only if asked; errors in-band. A token chunk that
-    comes as bytes (PDClient.stream(raw_model=…)) is framed as it is."""
+    comes as bytes (PDClient.open(raw_model=…)) is framed as it is."""
 
     def __init__(self, model: str, include_usage: bool) -> None:
         self.model = model

@@ -156,7 +156,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     shape = _Shape(req, body)
     pd = request.app[PD]
     if req.stream:
-        return await relay(request, pd.stream(request[REQUEST_ID], "responses", CHAT_PATH, req, upstream, request.headers), _EventRelay(shape))
+        return await relay(request, await pd.open(request[REQUEST_ID], "responses", CHAT_PATH, req, upstream, request.headers), _EventRelay(shape))
     result = await pd.complete(request[REQUEST_ID], "responses", CHAT_PATH, req, upstream, request.headers)
     charge(request, result.get("usage"))
     choice = (result.get("choices") or [{}])[0]

@@ -110,6 +110,16 @@ async def pd(session: aiohttp.ClientSession) -> AsyncIterator[Callable[..., Any]
         await client.fleet.close()
 
 
+async def batches(client: PDClient, *args: Any, **kwargs: Any) -> AsyncIterator[list[Any]]:
+    """`client.open(*args, **kwargs)` read as an async generator of chunk batches, closed however the caller stops."""
+    stream = await client.open(*args, **kwargs)
+    try:
+        while (batch := await stream.next()) is not None:
+            yield batch
+    finally:
+        stream.close()
+
+
 def typed(body: dict[str, Any]) -> tuple[Request, dict[str, Any]]:
     """A body as the API front ends hand it to PDClient: parsed (stack.protocol), and as the engines get it."""
     return parse("chat" if "messages" in body else "completion", body), body
@@ -138,8 +148,6 @@ async def wait_for_state(client: PDClient, url: str, state: str, timeout_s: floa
 
 def relay_app(client: PDClient) -> Any:
     """The smallest OpenAI front over a PDClient (what api/openai.py does): SSE out, in-band error once started."""
-    from contextlib import aclosing
-
     from aiohttp import web
 
     from stack.common.errors import REQUEST_ID, APIError, error_middleware, openai_error_body, request_id_middleware
@@ -150,20 +158,18 @@ def relay_app(client: PDClient) -> Any:
         api = "completions" if request.path == "/v1/completions" else "chat"
         if not body.get("stream"):
             return web.json_response(await client.complete(request[REQUEST_ID], api, request.path, *typed(body)))
-        stream = None
-        async with aclosing(client.stream(request[REQUEST_ID], api, request.path, *typed(body))) as batches:
-            try:
-                async for batch in batches:
-                    stream = stream or await open_stream(request)
-                    for chunk in batch:
-                        await send_event(stream, chunk)
-            except APIError as err:
-                if stream is None:
-                    raise
-                await send_event(stream, openai_error_body(err))
-                await stream.write_eof()
-                return stream
-        assert stream is not None, "stream ended without chunks"
+        decode = await client.open(request[REQUEST_ID], api, request.path, *typed(body))
+        stream = await open_stream(request)
+        try:
+            while (batch := await decode.next()) is not None:
+                for chunk in batch:
+                    await send_event(stream, chunk)
+        except APIError as err:
+            await send_event(stream, openai_error_body(err))
+            await stream.write_eof()
+            return stream
+        finally:
+            decode.close()
         await send_done(stream)
         return stream
 

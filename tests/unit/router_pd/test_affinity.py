@@ -11,7 +11,7 @@ from stack.router.affinity import SESSION_HEADERS, Affinity, prompt_prefix, rank
 from stack.router.backends import Backend, PoolConfig, build_pool
 from stack.router.metrics import Metrics
 from stack.router.scheduler import Scheduler, SchedulerConfig
-from tests.unit.router_pd.conftest import typed
+from tests.unit.router_pd.conftest import batches, typed
 from tests.unit.router_pd.test_pd_engines import chat
 
 
@@ -137,7 +137,7 @@ async def test_session_sticks_to_one_pair_over_real_engines(engines, pd, logs):
     for session in ("sess-1", "sess-2"):
         for turn in range(3):
             body = chat(max_tokens=4) | {"messages": history + [{"role": "user", "content": f"turn {turn}"}]}
-            [c async for batch in client.stream(f"{session}-{turn}", "chat", "/v1/chat/completions", *typed(body), CIMultiDict({"X-Claude-Code-Session-Id": session}))
+            [c async for batch in batches(client, f"{session}-{turn}", "chat", "/v1/chat/completions", *typed(body), CIMultiDict({"X-Claude-Code-Session-Id": session}))
              for c in batch]
     scheduled = logs.events(events.ROUTER_SCHEDULED)
     for session in ("sess-1", "sess-2"):

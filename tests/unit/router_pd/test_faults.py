@@ -10,14 +10,14 @@ import pytest
 
 from stack.common import events
 from stack.common.errors import InvalidRequest, Overloaded, RateLimited, UpstreamError, UpstreamTimeout
-from tests.unit.router_pd.conftest import backend, relay_app, until, wait_for_state, typed
+from tests.unit.router_pd.conftest import batches, backend, relay_app, until, wait_for_state, typed
 from tests.unit.router_pd.fake_engine import Faults, chunk_text
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
 
 
 async def collect(client, request_id="r1", body=CHAT):
-    return [chunk async for batch in client.stream(request_id, "chat", "/v1/chat/completions", *typed(dict(body))) for chunk in batch]
+    return [chunk async for batch in batches(client, request_id, "chat", "/v1/chat/completions", *typed(dict(body))) for chunk in batch]
 
 
 async def test_prefill_error_retries_on_the_other_prefill(fake, pd, logs):
@@ -112,7 +112,7 @@ async def test_decode_dying_mid_stream_is_an_error_after_the_first_chunk(fake, p
     client = await pd([prefill], [decode])
     got = []
     with pytest.raises(UpstreamError, match="broke the connection"):
-        async for batch in client.stream("rmid", "chat", "/v1/chat/completions", *typed(dict(CHAT))):
+        async for batch in batches(client, "rmid", "chat", "/v1/chat/completions", *typed(dict(CHAT))):
             got += batch
     assert chunk_text(got) == "t0 t1 "
     failed = logs.events(events.ROUTER_DECODE_FAILED)
@@ -123,10 +123,10 @@ async def test_decode_dying_mid_stream_is_an_error_after_the_first_chunk(fake, p
 async def test_a_burst_is_relayed_in_fewer_batches_than_chunks(fake, pd):
     """Chunks that arrive in one network read come out as one batch (one write to the client), complete and in order."""
     client = await pd([await fake("prefill")], [await fake("decode", tokens=6, faults=Faults(burst=True))])
-    batches = [batch async for batch in client.stream("rb", "chat", "/v1/chat/completions", *typed(dict(CHAT)))]
-    chunks = [chunk for batch in batches for chunk in batch]
+    read = [batch async for batch in batches(client, "rb", "chat", "/v1/chat/completions", *typed(dict(CHAT)))]
+    chunks = [chunk for batch in read for chunk in batch]
     assert chunk_text(chunks) == "t0 t1 t2 t3 t4 t5 " and chunks[-1]["usage"]["completion_tokens"] == 6
-    assert len(batches) < 7  # 6 token chunks + the usage chunk, written at once, read in fewer pieces than one per chunk
+    assert len(read) < 7  # 6 token chunks + the usage chunk, written at once, read in fewer pieces than one per chunk
 
 
 async def test_a_stream_read_to_its_end_gives_its_decode_connection_back(fake, pd):
@@ -145,7 +145,7 @@ async def test_in_band_error_in_a_burst_comes_after_the_good_chunks(fake, pd, lo
     client = await pd([await fake("prefill")], [decode])
     got = []
     with pytest.raises(UpstreamError, match="decode step failed"):
-        async for batch in client.stream("rbe", "chat", "/v1/chat/completions", *typed(dict(CHAT))):
+        async for batch in batches(client, "rbe", "chat", "/v1/chat/completions", *typed(dict(CHAT))):
             got += batch
     assert chunk_text(got) == "t0 t1 "
     assert logs.events(events.ROUTER_DECODE_FAILED)[-1]["mid_stream"] is True

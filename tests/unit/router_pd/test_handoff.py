@@ -12,7 +12,7 @@ from stack.common.errors import UpstreamError
 from stack.router.backends import Backend, Breaker
 from stack.router.handoff import Colocated, P2pNccl
 from tests.unit.router_pd.fake_engine import VLLM_NIXL_PREFILL_PARAMS, chunk_text
-from tests.unit.router_pd.conftest import typed
+from tests.unit.router_pd.conftest import batches, typed
 from tests.unit.router_pd.test_p2pnccl import VLLM_CONSUMER_RE, VLLM_PRODUCER_RE
 
 # A client body with what prefill must not see (min_tokens, stream_options) and what no client may send (kv_transfer_params).
@@ -25,7 +25,7 @@ TOY_PROXY_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remot
 
 
 async def collect(client, request_id="r1", body=CHAT):
-    return [chunk async for batch in client.stream(request_id, "chat", "/v1/chat/completions", *typed({**body, "stream": True})) for chunk in batch]
+    return [chunk async for batch in batches(client, request_id, "chat", "/v1/chat/completions", *typed({**body, "stream": True})) for chunk in batch]
 
 
 def assert_prefill_leg(leg: dict) -> None:

@@ -18,7 +18,7 @@ from stack.router import config as router_config
 from stack.router.app import create_app
 from stack.router.deadlines import budgets, work_s, worst_case_s
 from stack.router.scheduler import SchedulerConfig
-from tests.unit.router_pd.conftest import INTERNAL_KEY, backend, router_settings, typed, until
+from tests.unit.router_pd.conftest import batches, INTERNAL_KEY, backend, router_settings, typed, until
 from tests.unit.router_pd.fake_engine import Faults
 
 KEY = "pd-test-key-0123456789abcdefghij"
@@ -98,7 +98,7 @@ async def test_when_no_decode_has_room_the_client_gets_a_503_naming_it(fake, pd)
     assert caught.value.status == 503 and caught.value.code == "decode_kv_capacity"
     assert "needs 3 tokens" in caught.value.message and caught.value.headers["Retry-After"] == "1"
     with pytest.raises(Overloaded) as streamed:
-        async for _ in client.stream("cap3", "chat", "/v1/chat/completions", *typed(dict(CHAT, stream=True))):
+        async for _ in batches(client, "cap3", "chat", "/v1/chat/completions", *typed(dict(CHAT, stream=True))):
             pass
     assert streamed.value.code == "decode_kv_capacity" and not isinstance(streamed.value, UpstreamError)
     assert all(b.in_flight == 0 for b in client.fleet.scheduler.backends)
@@ -141,7 +141,7 @@ async def test_a_decode_leg_given_up_for_another_is_closed(fake, pd):
     stalled = await fake("decode", faults=Faults(stall_after_chunks=0))
     client = await pd([await fake("prefill")], [stalled, await fake("decode")], policy="round_robin", first_token_timeout_ms=300,
                       kv_transfer_timeout_ms=100, health_interval_ms=60_000)
-    chunks = [c async for batch in client.stream("slow", "chat", "/v1/chat/completions", *typed(dict(CHAT, stream=True))) for c in batch]
+    chunks = [c async for batch in batches(client, "slow", "chat", "/v1/chat/completions", *typed(dict(CHAT, stream=True))) for c in batch]
     assert chunks[-1]["usage"]["completion_tokens"] == 4
     await until(lambda: stalled.disconnects == 1, "the stalled decode saw the router hang up")
 
@@ -172,8 +172,8 @@ async def test_a_decode_computing_a_long_prompt_itself_may_stay_silent_that_long
     both = await fake("both", faults=Faults(delay_s=0.8))
     client = await pd([both], [both], max_retries=0, idle_timeout_ms=300, first_token_timeout_ms=300, kv_transfer_timeout_ms=100,
                       **TIGHT)
-    chunks = [c async for batch in client.stream("long", "chat", "/v1/chat/completions", *typed(chat(1000) | {"stream": True})) for c in batch]
+    chunks = [c async for batch in batches(client, "long", "chat", "/v1/chat/completions", *typed(chat(1000) | {"stream": True})) for c in batch]
     assert chunks[-1]["usage"]["completion_tokens"] == 4
     with pytest.raises(UpstreamTimeout):
-        async for _ in client.stream("short", "chat", "/v1/chat/completions", *typed(dict(CHAT, stream=True))):
+        async for _ in batches(client, "short", "chat", "/v1/chat/completions", *typed(dict(CHAT, stream=True))):
             pass

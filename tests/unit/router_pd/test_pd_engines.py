@@ -15,7 +15,7 @@ import pytest
 from stack.common import events
 from stack.common.errors import InvalidRequest, Overloaded, UpstreamError
 from stack.common.health import SERVING, probe_async
-from tests.unit.router_pd.conftest import INTERNAL_KEY, REPO, free_port, relay_app, router_settings, wait_for_state, typed
+from tests.unit.router_pd.conftest import batches, INTERNAL_KEY, REPO, free_port, relay_app, router_settings, wait_for_state, typed
 from tests.unit.router_pd.fake_engine import chunk_text
 
 MODEL = "your-model-id"
@@ -40,8 +40,8 @@ async def test_pd_output_matches_colocated(engines, pd, logs):
     prefill, decode, both = await engines("prefill", "decode", "both")
     disaggregated, colocated = await pd([prefill], [decode]), await pd([both], [both])
     assert (disaggregated.fleet.mode, colocated.fleet.mode) == ("disaggregated", "colocated")
-    pd_chunks = [c async for batch in disaggregated.stream("pd-1", "chat", "/v1/chat/completions", *typed(chat())) for c in batch]
-    co_chunks = [c async for batch in colocated.stream("co-1", "chat", "/v1/chat/completions", *typed(chat())) for c in batch]
+    pd_chunks = [c async for batch in batches(disaggregated, "pd-1", "chat", "/v1/chat/completions", *typed(chat())) for c in batch]
+    co_chunks = [c async for batch in batches(colocated, "co-1", "chat", "/v1/chat/completions", *typed(chat())) for c in batch]
     assert chunk_text(pd_chunks) == chunk_text(co_chunks) and len(chunk_text(pd_chunks)) > 0
     assert pd_chunks[-1]["usage"] == co_chunks[-1]["usage"] and pd_chunks[-1]["usage"]["completion_tokens"] == 12
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "seed": 3}
@@ -63,7 +63,7 @@ async def test_load_aware_spreads_over_two_decodes(engines, pd, logs):
 
     async def one(i: int) -> str:
         chunks = []
-        async for batch in client.stream(f"x-{i}", "chat", "/v1/chat/completions", *typed(chat(max_tokens=6))):
+        async for batch in batches(client, f"x-{i}", "chat", "/v1/chat/completions", *typed(chat(max_tokens=6))):
             for b in client.fleet.scheduler.backends:
                 peak[b.url] = max(peak.get(b.url, 0), b.in_flight)
             chunks += batch
@@ -81,9 +81,9 @@ async def test_killed_prefill_is_retried_on_the_other(engines, pd, logs):
     dead, alive, decode = await engines("prefill", "prefill", "decode")
     # Slow health checks: the router still thinks the dead prefill is up, so the request really hits it.
     client = await pd([dead, alive], [decode], policy="round_robin", health_interval_ms=60_000)
-    expected = chunk_text([c async for batch in client.stream("warm", "chat", "/v1/chat/completions", *typed(chat())) for c in batch])
+    expected = chunk_text([c async for batch in batches(client, "warm", "chat", "/v1/chat/completions", *typed(chat())) for c in batch])
     dead.kill()
-    texts = [chunk_text([c async for batch in client.stream(f"k{i}", "chat", "/v1/chat/completions", *typed(chat())) for c in batch]) for i in range(2)]
+    texts = [chunk_text([c async for batch in batches(client, f"k{i}", "chat", "/v1/chat/completions", *typed(chat())) for c in batch]) for i in range(2)]
     assert texts == [expected, expected]
     failed = logs.events(events.ROUTER_PREFILL_FAILED)
     assert len(failed) == 1 and failed[0]["prefill"] == dead.url and failed[0]["retried"] is True

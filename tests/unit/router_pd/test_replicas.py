@@ -28,7 +28,7 @@ from stack.router.metrics import Metrics
 from stack.router.fleet import Fleet
 from stack.router.pd import PDClient
 from stack.router.scheduler import NoBackendAvailable, SchedulerConfig
-from tests.unit.router_pd.conftest import EngineProcess, backend, free_port, wait_for_state, typed
+from tests.unit.router_pd.conftest import batches, EngineProcess, backend, free_port, wait_for_state, typed
 
 CHAT = {"model": "your-model-id", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
 
@@ -124,14 +124,14 @@ async def test_replicas_join_once_healthy_and_leave_while_their_requests_finish(
         assert (joined["role"], joined["replicas"], joined["discover"]) == ("prefill", 2, f"dns://prefill.test:{p_ports[0]}")
 
         body = {**CHAT, "max_tokens": 64, "ignore_eos": True, "stream": True}
-        async with aclosing(client.stream("draining", "chat", "/v1/chat/completions", *typed(body))) as batches:
-            chunks = list(await anext(batches))
+        async with aclosing(batches(client, "draining", "chat", "/v1/chat/completions", *typed(body))) as relayed:
+            chunks = list(await anext(relayed))
             answers.records["decode.test"] = ["127.0.0.3"]  # d1 is scaled away while its stream runs
             await watcher(client, "decode").refresh()
             assert [b.url for b in client.fleet.scheduler.pool("decode")] == [d2.url]
             [left] = logs.events(events.DISCOVERY_LEFT)
             assert (left["backend"], left["in_flight_requests"], left["level"]) == (d1.url, 1, "INFO")
-            async for batch in batches:
+            async for batch in relayed:
                 chunks.extend(batch)
         assert any(c["choices"] and c["choices"][0].get("finish_reason") == "length" for c in chunks), "the draining stream was cut"
         assert next(c["usage"] for c in reversed(chunks) if c.get("usage"))["completion_tokens"] == 64

@@ -12,7 +12,7 @@ from stack.common import events
 from stack.common.errors import UpstreamError, UpstreamTimeout
 from stack.router.deadlines import worst_case_s
 from stack.router.scheduler import SchedulerConfig
-from tests.unit.router_pd.conftest import backend, until, wait_for_state, typed
+from tests.unit.router_pd.conftest import batches, backend, until, wait_for_state, typed
 from tests.unit.router_pd.fake_engine import Faults
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
@@ -71,7 +71,7 @@ async def test_a_streamed_request_gets_its_first_byte_within_the_deadline_or_an_
     client = await pd([await fake("prefill")], [decode], deadline_ms=300, max_retries=0)
     started = time.monotonic()
     with pytest.raises(UpstreamTimeout):
-        async for _ in client.stream("dls", "chat", "/v1/chat/completions", *typed(dict(CHAT, stream=True))):
+        async for _ in batches(client, "dls", "chat", "/v1/chat/completions", *typed(dict(CHAT, stream=True))):
             pass
     assert 0.25 <= time.monotonic() - started < 2.5
 

@@ -34,6 +34,17 @@ async def test_frames_survive_every_split_point():
     assert await parse([bytes([b]) for b in WIRE]) == EXPECTED
 
 
+async def test_a_paced_stream_one_frame_a_read_gives_the_same_frames():
+    """A paced engine's reads hold one whole frame each: the same frames, whatever the frame (an event line, CRLF,
+    several data lines, a comment, a space kept after `data: `)."""
+    ends = [i + 2 for i in range(len(WIRE)) if WIRE[i:i + 2] == b"\n\n"]
+    pieces = [WIRE[a:b] for a, b in zip([0, *ends], [*ends, len(WIRE)])]
+    assert b"".join(pieces) == WIRE and b'data: {"b": 2}\n\n' in pieces
+    assert await parse(pieces) == EXPECTED
+    assert await parse([b"data:  two spaces\n\n", b"data: next\n\n"]) == [(None, " two spaces"), (None, "next")]
+    assert await parse([b"data: a\r\n\n"]) == [(None, "a")]
+
+
 async def test_the_relay_reads_data_as_bytes_and_still_refuses_what_is_not_utf8():
     """The batches the relay reads carry each frame's data as the bytes that came (undecoded, so a token chunk can be
     forwarded as it is), and bytes that are not UTF-8 still fail the read, as when every frame was decoded."""

@@ -9,7 +9,7 @@ import pytest
 
 from stack.common.errors import UpstreamError
 from stack.router.relay import Passthrough, token_frame
-from tests.unit.router_pd.conftest import typed
+from tests.unit.router_pd.conftest import batches, typed
 from tests.unit.router_pd.fake_engine import Faults, chunk_text, vllm_capture
 
 BASE = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "engine/m"}
@@ -85,7 +85,7 @@ async def test_a_pd_stream_yields_token_chunks_as_bytes_and_parses_the_rest(fake
     """Over prefill + decode, stream(raw_model=…) yields the token chunks between the first and the finishing one as
     bytes carrying the client's model id; the first, finishing and usage chunks come parsed; together, the answer."""
     client = await pd([await fake("prefill")], [await fake("decode", tokens=6, faults=Faults(burst=True))])
-    chunks = [c async for batch in client.stream("raw", "chat", "/v1/chat/completions", *typed(dict(CHAT)), raw_model="public")
+    chunks = [c async for batch in batches(client, "raw", "chat", "/v1/chat/completions", *typed(dict(CHAT)), raw_model="public")
               for c in batch]
     assert [type(c).__name__ for c in chunks] == ["dict"] + ["bytes"] * 4 + ["dict", "dict"]
     parsed = as_dicts(chunks)
@@ -99,7 +99,7 @@ async def test_an_error_frame_after_bytes_chunks_fails_the_stream_after_them(fak
     client = await pd([await fake("prefill")], [decode])
     got: list = []
     with pytest.raises(UpstreamError, match="decode step failed"):
-        async for batch in client.stream("rawe", "chat", "/v1/chat/completions", *typed(dict(CHAT)), raw_model="public"):
+        async for batch in batches(client, "rawe", "chat", "/v1/chat/completions", *typed(dict(CHAT)), raw_model="public"):
             got += batch
     assert [type(c).__name__ for c in got] == ["dict", "bytes", "bytes"] and chunk_text(as_dicts(got)) == "t0 t1 t2 "
     assert logs.events("router.decode_failed")[-1]["mid_stream"] is True

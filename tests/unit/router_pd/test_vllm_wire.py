@@ -20,7 +20,7 @@ from stack.common import events
 from stack.common.errors import UpstreamError
 from stack.router.pd import answer_chunks
 from tests.unit.router_pd.fake_engine import vllm_capture
-from tests.unit.router_pd.conftest import typed
+from tests.unit.router_pd.conftest import batches, typed
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Explain the key value cache in one sentence"}], "max_tokens": 6}
 PREFILL = vllm_capture("vllm_nixl_prefill")
@@ -29,7 +29,7 @@ CACHED = vllm_capture("vllm_nixl_cached")
 
 
 async def collect(client, body=CHAT, request_id="r1"):
-    return [chunk async for batch in client.stream(request_id, "chat", "/v1/chat/completions", *typed({**body, "stream": True})) for chunk in batch]
+    return [chunk async for batch in batches(client, request_id, "chat", "/v1/chat/completions", *typed({**body, "stream": True})) for chunk in batch]
 
 
 async def test_the_real_prefill_answer_reaches_decode_whole(fake, pd):
