@@ -1,11 +1,11 @@
-"""What the relay (pd.py `PDClient.stream`) reads and writes: the answered decode leg, its stream's frames checked
+"""What the relay (pd.py `DecodeStream`) reads and writes: the answered decode leg, its stream's frames checked
 (an engine's in-band error frame is the leg's failure) and counted, usage with cached_tokens as the prefill saw
 them (handoff.py), and a JSON answer as the chunks a stream would have carried.
 
 The fast path: most frames of a stream are ordinary token chunks (choices, none finished, no usage, no error), and
 an API that answers in the engine's own format (OpenAI chat/completions) forwards them unchanged but for the model
 id. `Passthrough` tells such a frame by its bytes (`token_frame`) and swaps the model id in place, so it is relayed
-without being decoded and encoded again (`PDClient.stream(raw_model=…)`). Every other frame (the first, the
+without being decoded and encoded again (`PDClient.open(raw_model=…)`). Every other frame (the first, the
 finishing one, the usage chunk, an error, anything unexpected) is parsed as before, so what is counted, charged,
 checked and logged is decided on parsed JSON as it always was; a token chunk needs no more than its count and time.
 """

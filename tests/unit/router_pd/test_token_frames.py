@@ -82,7 +82,7 @@ def as_dicts(chunks: list) -> list[dict]:
 
 
 async def test_a_pd_stream_yields_token_chunks_as_bytes_and_parses_the_rest(fake, pd):
-    """Over prefill + decode, stream(raw_model=…) yields the token chunks between the first and the finishing one as
+    """Over prefill + decode, open(raw_model=…) hands on the token chunks between the first and the finishing one as
     bytes carrying the client's model id; the first, finishing and usage chunks come parsed; together, the answer."""
     client = await pd([await fake("prefill")], [await fake("decode", tokens=6, faults=Faults(burst=True))])
     chunks = [c async for batch in batches(client, "raw", "chat", "/v1/chat/completions", *typed(dict(CHAT)), raw_model="public")
