@@ -4,7 +4,8 @@
 
 The peers harness (benchmarks/router_peers.py) divides a stream's whole CPU by its chunks across two cores, and on a
 small VM its repeats move by a fifth. Here the fake backend of benchmarks.router paces `--tokens` chunks `--pace-ms`
-apart (each chunk its own network read, as a real engine's tokens are), and two gateways serve on the same event
+apart (each chunk its own network read, as a real engine's tokens are; under uvloop a pause under a millisecond
+lasts one loop turn, and each chunk still arrives alone), and two gateways serve on the same event
 loop as the client, which sends one streamed chat request at a time and reads it to its end:
   floor   benchmarks/floor_router.py: aiohttp's server, the legs' client, the body relayed as bytes; nothing else
   router  the router app itself (create_app: the key, limits, usage in SQLite, the contract, the PD flow, the relay,
@@ -35,8 +36,7 @@ from stack.router import config as router_config
 from stack.router.app import create_app
 from stack.router.engine_http import EngineHTTP, Timeout
 
-_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello to the benchmark."}], "max_tokens": 64,
-         "stream": True}
+_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello to the benchmark."}], "stream": True}
 _LEG = Timeout(connect_s=5, total_s=60, read_s=30)
 
 
@@ -61,7 +61,7 @@ async def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]
     runners = [backend, await _serve(create_app(router_config.load(path), env={"BENCH_ROUTER_KEY": KEY}), router_port)]
     runners.append(await _serve(floor_app({"taotoken": {"api_key_env": "BENCH_ROUTER_KEY"}, "prefill": {"endpoint": prefill},
                                            "decode": {"endpoint": decode}}), floor_port))
-    body = json.dumps(_BODY).encode()
+    body = json.dumps({**_BODY, "max_tokens": args.tokens}).encode()
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
     client = EngineHTTP()
 
