@@ -7,6 +7,7 @@ parameter, so a client gets a precise 400 in its API's shape from the error midd
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
@@ -116,10 +117,10 @@ async def relay(request: web.Request, stream: DecodeStream, translator: Translat
     translator's in-band error frames close the stream. A client that went away closes the decode leg, which the engine
     sees and cancels.
     """
+    relayed = 0  # token chunks sent: the charge when no usage came (a broken stream, a client that left)
     try:
         batch = await stream.next()
         out = await sse.open_stream(request, {REQUEST_ID_HEADER: request[REQUEST_ID]})
-        relayed = 0  # token chunks sent: the charge when a broken stream never reports usage
         try:
             try:
                 while batch is not None:
@@ -143,8 +144,15 @@ async def relay(request: web.Request, stream: DecodeStream, translator: Translat
             await out.write_eof()
         except ConnectionResetError:
             request[STREAM_ERROR] = "client_disconnected"  # DecodeStream.close logs router.client_disconnected
-        if TOKENS not in request:
-            request[TOKENS] = (0, relayed)
         return out
+    except asyncio.CancelledError:  # the client left while the relay waited: aiohttp cancels the handler
+        request[STREAM_ERROR] = "client_disconnected"
+        raise
     finally:
+        if TOKENS not in request:
+            # No usage chunk reached the client: the tokens it was sent. A client that left also pays for its prompt
+            # (the router's estimate), which was computed for it: leaving before the end is no way around a quota.
+            # A stream the engine broke charges no prompt: an engine's failure is not the client's.
+            left = request.get(STREAM_ERROR) == "client_disconnected"
+            request[TOKENS] = (stream.job.prompt_tokens if left else 0, relayed)
         stream.close()

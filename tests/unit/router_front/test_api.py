@@ -94,7 +94,8 @@ async def test_anthropic_stream_has_the_event_sequence_and_no_done(router) -> No
 
 
 async def test_client_disconnect_frees_the_slot_and_is_logged(make_router, logs) -> None:
-    """A client that leaves mid-stream frees its concurrency slot and is logged as router.client_disconnected."""
+    """A client that leaves mid-stream frees its concurrency slot and is logged as router.client_disconnected; it is
+    charged its prompt and the chunks it was sent (leaving before the usage chunk is no way around a quota)."""
     router = await make_router(limits="max_concurrent = 1")
     body = chat_body(stream=True, max_tokens=10, messages=[{"role": "user", "content": "SLOW"}])
     response = await router.post("/v1/chat/completions", json=body, headers=auth())
@@ -106,6 +107,9 @@ async def test_client_disconnect_frees_the_slot_and_is_logged(make_router, logs)
         await asyncio.sleep(0.02)
     done = [e for e in log_events(logs) if e["event"] == "router.request_done"]
     assert done and done[-1]["error"] == "client_disconnected"
+    assert done[-1]["prompt_tokens"] > 0 and 1 <= done[-1]["completion_tokens"] < 10
+    usage = await (await router.get("/v1/usage", headers=auth())).json()
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (done[-1]["prompt_tokens"], done[-1]["completion_tokens"])
     assert (await router.post("/v1/chat/completions", json=chat_body(), headers=auth())).status == 200
 
 
