@@ -239,36 +239,30 @@ class DecodeStream:
         self.tally = Tally(client.metrics, job.started)
         first = leg.first or {}
         self.passthrough = Passthrough(first.get("model"), raw_model) if raw_model is not None else None
-        self._frames: list[bytes] = leg.rest
-        self._start: list[dict[str, Any] | bytes] | None = answer_chunks(leg.answer) if leg.answer is not None else [first]
         self._done = leg.answer is not None  # [DONE] seen (a finished answer needs none)
-        self._over = False  # ended complete, failed, or answered whole: nothing left to say when closed
+        self._over = leg.answer is not None  # ended complete or failed (or answered whole): nothing to say when closed
         self._bad: Exception | None = None  # a bad frame, raised once the good chunks before it are relayed
+        # Chunks not yet handed to the relay: the first, checked before anything reached the client, and the frames
+        # that arrived with it; or, when the prefill finished the answer, that answer as the chunks decode would have sent.
+        self._ready: list[dict[str, Any] | bytes] = answer_chunks(leg.answer) if leg.answer is not None else [first]
+        self._take(leg.rest, self._ready)
 
     async def next(self) -> list[dict[str, Any] | bytes] | None:
         try:
+            chunks, self._ready = self._ready, []
+            while not chunks and not self._done and self._bad is None:
+                assert self.leg.reader is not None, "stream leg opened without a reader"
+                batch = await self.leg.reader.batch()
+                if batch is None:
+                    break
+                self._take([data for _event, data in batch], chunks)
+            if chunks:
+                self.tally.count(chunks)
+                if self.tally.usage is not None:  # the usage chunk came in this batch
+                    report_cached(self.tally.usage, self.leg.prefill_cached)
+                return chunks
             if self._bad is not None:
                 raise self._bad
-            if self._start is not None:  # the first chunk, checked before anything reached the client
-                chunks, self._start = self._start, None
-                if self.leg.answer is not None:  # the prefill finished the answer: as the chunks decode would have sent
-                    self._over = True
-                    return chunks
-            else:
-                chunks = []
-            while not self._done:
-                reader = self.leg.reader
-                if not self._frames and not chunks:
-                    assert reader is not None, "stream leg opened without a reader"
-                    batch = await reader.batch()
-                    if batch is None:
-                        break
-                    self._frames = [data for _event, data in batch]
-                self._take(chunks)
-                if chunks:
-                    return chunks
-                if self._bad is not None:
-                    raise self._bad
             return self._end()
         except (LegFailed, TimeoutError, ConnectionError, ValueError) as exc:
             self._over = True
@@ -278,15 +272,13 @@ class DecodeStream:
             self.client._decode_failed(self.job, decode, failure, mid_stream=True, retried=False)
             raise failure.error from None
 
-    def _take(self, chunks: list[dict[str, Any] | bytes]) -> None:
-        """The frames read so far into `chunks` (counted, usage reported as the prefill saw it), up to [DONE] or a
-        bad frame."""
-        frames, self._frames = self._frames, []
+    def _take(self, frames: list[bytes], chunks: list[dict[str, Any] | bytes]) -> None:
+        """`frames` onto `chunks`, up to [DONE] or a bad frame (kept for after the good chunks before it)."""
         passthrough = self.passthrough
         for data in frames:
             if data == DONE_DATA:
                 self._done = True
-                break
+                return
             if passthrough is not None and (relayed := passthrough.take(data)) is not None:
                 chunks.append(relayed)
                 continue
@@ -294,11 +286,7 @@ class DecodeStream:
                 chunks.append(parse_chunk(self.leg.decode, data))
             except (LegFailed, ValueError) as exc:
                 self._bad = exc
-                break
-        if chunks:
-            self.tally.count(chunks)
-            if self.tally.usage is not None:  # the usage chunk came in this batch
-                report_cached(self.tally.usage, self.leg.prefill_cached)
+                return
 
     def _end(self) -> list[dict[str, Any] | bytes] | None:
         """The stream's end: checked complete (never a silent truncation), the decode's outcome and the stream's
