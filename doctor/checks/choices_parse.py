@@ -13,6 +13,7 @@ from collections import Counter
 
 from doctor import engine_facts
 from doctor.checks.config_mismatch import rejected_for_length
+from doctor.checks.long_prompt import context_refusals
 from doctor.findings import Context, Finding, finding
 from stack.common import events
 
@@ -36,7 +37,8 @@ def check(ctx: Context) -> list[Finding]:
 
 def _decode_failed_after_prefill(ctx: Context, client: list) -> list[Finding]:
     hits = []
-    by_config = {rid for rid, _, _ in rejected_for_length(ctx)}  # config.max_model_len_mismatch names it
+    # config.max_model_len_mismatch and long_prompt.context_exceeded name these
+    by_config = {rid for rid, _, _ in rejected_for_length(ctx)} | {r.request_id for r in context_refusals(ctx)}
     for t in ctx.timelines.values():
         if t.request_id in by_config:
             continue

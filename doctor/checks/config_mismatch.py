@@ -1,7 +1,8 @@
 """Prefill and decode configured differently: the mismatched key, both values and both files.
 
 - max_model_len: prefill accepted the prompt, then decode refused it ("This model's maximum context
-  length is N tokens", logged by decode at WARNING as http.bad_request): decode's limit is smaller.
+  length is N tokens", logged by decode at WARNING as http.bad_request) and the router answered 502: decode's
+  limit is smaller. (With the same windows the router answers the client's 400: long_prompt.context_exceeded.)
 - Live (the /config folders the containers mount are readable): keys that must agree between the
   two engines' config files (max_model_len, block_size, dtype, checkpoint, seed, model) are compared.
 The KV port and model fingerprint mismatches are in kv_transfer (they show in KV events).
@@ -19,7 +20,8 @@ MUST_AGREE = ("max_model_len", "block_size", "dtype", "checkpoint", "seed", "mod
 
 
 def rejected_for_length(ctx: Context) -> list[tuple[str, int, list]]:
-    """(request id, decode's max_model_len, decode's lines) for requests prefill served and decode refused."""
+    """(request id, decode's max_model_len, decode's lines) for requests prefill served, decode refused and the router
+    answered as the engines' fault (not the client's 400: the router passes that on when the windows are the same)."""
     by_request: dict[str, list] = {}
     for r in ctx.by_event(events.HTTP_BAD_REQUEST):  # decode's refusal (WARNING): rare, so start from it
         if r.service == "decode" and "maximum context length" in r.msg and _CONTEXT.search(r.msg):
@@ -27,7 +29,7 @@ def rejected_for_length(ctx: Context) -> list[tuple[str, int, list]]:
     out = []
     for rid, lines in by_request.items():
         t = ctx.timelines.get(rid)
-        if t is not None and t.first(events.ROUTER_PREFILL_DONE) is not None:
+        if t is not None and t.status != 400 and t.first(events.ROUTER_PREFILL_DONE) is not None:
             out.append((rid, int(_CONTEXT.search(lines[0].msg).group(1)), lines))
     return out
 

@@ -32,17 +32,22 @@ def _rids(records: list[Record]) -> list[str]:
     return [r.request_id for r in records]
 
 
-def _prefilled(ctx: Context, record: Record) -> bool:
-    """A decode that refused what the prefill already computed: the engines' windows disagree (config.*), the prompt
-    itself fit the first engine."""
+def _engines_disagree(ctx: Context, record: Record) -> bool:
+    """A decode that refused what the prefill already computed and the router answered 502: the engines' windows
+    disagree (config.*). The router passes such a refusal on as the client's 400 only when the windows are the same."""
     timeline = ctx.timeline(record.request_id) if record.service == "decode" else None
-    return bool(timeline) and any(r.event == events.ROUTER_PREFILL_DONE for r in timeline.records)
+    return bool(timeline) and timeline.status != 400 and any(r.event == events.ROUTER_PREFILL_DONE for r in timeline.records)
+
+
+def context_refusals(ctx: Context) -> list[Record]:
+    """One line per request refused for its size (prompt, or prompt + max_tokens) against a window both engines share:
+    the engine and the router each log the 400 (the router's line is what the client got)."""
+    return list({r.request_id: r for r in ctx.by_event(events.HTTP_BAD_REQUEST)
+                 if r[events.CODE] == "context_length_exceeded" and not _engines_disagree(ctx, r)}.values())
 
 
 def _context_exceeded(ctx: Context) -> list[Finding]:
-    # One request per refusal: the engine and the router each log the 400 (the router's line is what the client got).
-    refused = list({r.request_id: r for r in ctx.by_event(events.HTTP_BAD_REQUEST)
-                    if r[events.CODE] == "context_length_exceeded" and not _prefilled(ctx, r)}.values())
+    refused = context_refusals(ctx)
     if not refused:
         return []
     counts = [m.groups() for r in refused if (m := _WINDOW.search(r.line))]
@@ -51,9 +56,11 @@ def _context_exceeded(ctx: Context) -> list[Finding]:
     told = (f" The engine counted up to {largest} tokens against a {window}-token window." if counts else "")
     return [finding(
         "long_prompt.context_exceeded", "error",
-        f"{len(refused)} request(s) refused 400 context_length_exceeded before any compute",
+        f"{len(refused)} request(s) refused 400 context_length_exceeded: prompt + max_tokens past the window",
         "The prompt (plus max_tokens) is longer than the engine's window, counted with the engine's own tokenizer; a "
-        "client that counts with another tokenizer (Claude Code counts Claude's) sees a smaller number." + told,
+        "client that counts with another tokenizer (Claude Code counts Claude's) sees a smaller number. A prompt alone "
+        "past the window is refused before any compute; in PD, prompt + max_tokens past it only by decode, once prefill "
+        "computed the prompt (the prefill leg asks one token)." + told,
         "shorten the conversation (Claude Code: /compact) or lower max_tokens; or serve a model with a longer window "
         "(max_model_len in prefill/ and decode/config.json, with kv_cache_bytes ≥ 16 KiB × tokens for dummy:small; "
         "docs/long-prompts.md)",

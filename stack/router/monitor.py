@@ -6,7 +6,8 @@
         SERVING                                    → up; a pd-push decode first tells its KV address (discovery.py),
                                                      on every return, and stays down until it has; asked again
                                                      every round (a recreated container has a new hostname)
-    the engines' model id                          → from a decode's /v1/models, once one answers
+    each backend's window, the engines' model id   → its /v1/models `max_model_len` (asked when it comes up); the
+                                                     model id from the first decode that answers
     each backend's capabilities and fingerprint    → settings.toml [prefill]/[decode] `capabilities` when set, else
                                                      its GET /health `capabilities` (asked when it comes up; none
                                                      reported = none of the extras); `capabilities` is what every
@@ -52,7 +53,10 @@ class HealthMonitor:
         self.kv = kv
         self.model = config.taotoken.model_id  # the engines' model id once learned; the public one until then
         self._model_learned = False
-        self.max_model_len: int | None = None  # the engines' context length (their /v1/models `max_model_len`, vLLM's field)
+        self.max_model_len: int | None = None  # the decodes' context length (their /v1/models `max_model_len`, vLLM's field)
+        # By backend URL: each engine's own window, asked when it comes up. A decode that refuses what its prefill
+        # accepted is the client's fault only when the two windows are the same (upstream.LegFailed.after_prefill).
+        self.windows: dict[str, int] = {}
         self._capabilities: dict[str, Capabilities] = {}  # by backend URL: learned from GET /health (pools on "auto")
         # By backend URL: the model fingerprint its GET /health reports (our engines), asked with its capabilities.
         # A prefill and a decode are paired only when theirs agree (pairing.py: a rolling model update never mixes them).
@@ -73,12 +77,10 @@ class HealthMonitor:
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
-        """One round before the first request (real states, KV addresses known), the model id, then the loop."""
+        """One round before the first request (real states, KV addresses, capabilities, windows and the model id known),
+        then the loop."""
         interval_ms = self.config.scheduler.health_interval_ms
-        await self._round(probe=bool(interval_ms))  # without probes: only the KV addresses, once
-        if not interval_ms:
-            await asyncio.gather(*(self._learn_capabilities(b) for b in self.scheduler.backends))
-        await self._learn_model()
+        await self._round(probe=bool(interval_ms))  # without probes: the KV addresses, capabilities and windows, once
         if interval_ms:
             self._loop = asyncio.create_task(self._every(interval_ms / 1000), name="pd-health-monitor")
 
@@ -96,11 +98,8 @@ class HealthMonitor:
         breaker = Breaker(url, settings.breaker_failures, settings.breaker_cooldown_ms / 1000, self._clock)
         backend = Backend(url, role, pool.max_concurrent, f"{url}/health", breaker, "http", kv_addr=zmq_address)  # type: ignore[arg-type]
         self.scheduler.add_backend(backend)
-        task = asyncio.get_running_loop().create_task(self._learn_capabilities(backend))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        if role == "decode" and not self._model_learned:
-            task = asyncio.get_running_loop().create_task(self._learn_model())
+        for learn in (self._learn_capabilities, self._learn_model):
+            task = asyncio.get_running_loop().create_task(learn(backend))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
@@ -109,6 +108,7 @@ class HealthMonitor:
         self.scheduler.remove_backend(url)
         self._capabilities.pop(url, None)
         self.fingerprints.pop(url, None)
+        self.windows.pop(url, None)
 
     # -- health rounds -----------------------------------------------------------------------------
     async def _every(self, interval_s: float) -> None:
@@ -143,17 +143,15 @@ class HealthMonitor:
         answers = await asyncio.gather(*(self._kv_problem(b) for b in asking))
         unknown = {b: problem for b, problem in zip(asking, answers) if problem and (not b.up or known[b] is None)}
         replaced = {b for b in asking if known[b] is not None and b.kv_addr != known[b]}
-        # A backend coming (back) up, or replaced, may be another engine version: ask what it can do before it takes
-        # requests.
-        await asyncio.gather(*(self._learn_capabilities(b) for b, up, _ in verdicts
-                               if up and (not b.up or b in replaced or b.url not in self._capabilities)))
+        # A backend coming (back) up, or replaced, may be another engine version: ask what it can do and its window
+        # before it takes requests.
+        await asyncio.gather(*(learn(b) for b, up, _ in verdicts if up and (not b.up or b in replaced or b.url not in self._capabilities)
+                               for learn in (self._learn_capabilities, self._learn_model)))
         changed = False
         for backend, up, reason in verdicts:
             if unknown.get(backend):
                 up, reason = False, f"KV address unknown: {unknown[backend]}"
             changed = self.scheduler.mark(backend, up, reason) or changed
-        if changed and not self._model_learned:
-            await self._learn_model()  # the engines were down at start-up
 
     def _learns_kv(self, backend: Backend) -> bool:
         return self.kv is not None and backend.role == "decode"
@@ -240,20 +238,24 @@ class HealthMonitor:
                       backend=backend.url, role=backend.role, capabilities=list(caps.names), reported_by=f"GET {url}")
         self._capabilities[backend.url] = caps
 
-    async def _learn_model(self) -> None:
-        """The engines' model id from a decode's /v1/models (the config's model_id until one answers)."""
-        for backend in self.scheduler.pool("decode"):
-            try:
-                async with self.session.get(backend.url + "/v1/models",
-                                            timeout=timeout(self.config.scheduler.connect_timeout_ms, 5000)) as response:
-                    data = await response.json(content_type=None)
-                self.model = data["data"][0]["id"]
-                window = data["data"][0].get("max_model_len")
-                self.max_model_len = window if isinstance(window, int) and not isinstance(window, bool) else None
-                self._model_learned = True
-                return
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
-                continue
+    async def _learn_model(self, backend: Backend) -> None:
+        """`backend`'s window and, from the first decode that answers, the engines' model id, from its /v1/models (the
+        config's model_id until then; an engine without the field has no window known)."""
+        try:
+            async with self.session.get(backend.url + "/v1/models",
+                                        timeout=timeout(self.config.scheduler.connect_timeout_ms, 5000)) as response:
+                data = await response.json(content_type=None)
+            model = data["data"][0]
+            window = model.get("max_model_len")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+            return  # asked again when it next comes up
+        window = window if isinstance(window, int) and not isinstance(window, bool) else None
+        if window is None:
+            self.windows.pop(backend.url, None)
+        else:
+            self.windows[backend.url] = window
+        if backend.role != "prefill" and not self._model_learned:
+            self.model, self.max_model_len, self._model_learned = model["id"], window, True
 
     def _gauges(self) -> Iterable[GaugeSample]:
         for b in self.scheduler.backends:

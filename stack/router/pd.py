@@ -180,7 +180,7 @@ class PDClient:
                                          leg_timeout(self.settings.connect_timeout_ms, round(job.budgets.decode_json(computes_prompt) * 1000)))
             except LegFailed as failure:
                 self.pairing.outcome(decode, failure)
-                raise failure if computes_prompt else failure.after_prefill(decode) from None
+                raise failure if computes_prompt else failure.after_prefill(decode, self._windows(pair)) from None
             self.pairing.outcome(decode)
             return Leg(decode, answer=answer)
         response: Response | None = None
@@ -204,10 +204,14 @@ class PDClient:
                 exc = exception_failure(decode, exc, "before the first chunk")
             if isinstance(exc, LegFailed):
                 self.pairing.outcome(decode, exc)
-                exc = exc if computes_prompt else exc.after_prefill(decode)
+                exc = exc if computes_prompt else exc.after_prefill(decode, self._windows(pair))
             raise exc
         self._first_token(job, pair, sent)
         return Leg(decode, response=response, reader=reader, first=first, rest=frames[1:])
+
+    def _windows(self, pair: Pair) -> tuple[int | None, int | None]:
+        windows = self.monitor.windows
+        return windows.get(pair.prefill.url) if pair.prefill else None, windows.get(pair.decode.url)
 
     def _first_token(self, job: Job, pair: Pair, sent: float) -> None:
         """Streams only: a non-streamed answer has no first-token moment the router can see."""

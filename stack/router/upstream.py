@@ -63,15 +63,28 @@ class LegFailed(Exception):
             return True
         return bool(self.code) and self.code.startswith("kv_") and self.code not in ("kv_not_a_producer", "kv_prompt_mismatch")
 
-    def after_prefill(self, decode: Backend) -> LegFailed:
-        """A decode leg that refused as a client error what the prefill engine already accepted: the request is the
-        same, so the engines disagree (max_model_len, tokenizer, model) — a deployment fault, a 502, not the client's."""
+    def after_prefill(self, decode: Backend, windows: tuple[int | None, int | None]) -> LegFailed:
+        """A decode leg that refused as a client error what the prefill engine already accepted. The prefill leg asks
+        for one token, so only decode checks prompt + max_tokens against the window: with `windows` (prefill's,
+        decode's) known and equal, such a refusal is the client's 400, as one engine would have answered. Otherwise
+        the engines disagree (max_model_len, tokenizer, model): a deployment fault, a 502, not the client's."""
         if not isinstance(self.error, (InvalidRequest, NotFound, PayloadTooLarge)):
             return self
+        prefill_window, decode_window = windows
+        if prefill_window is not None and prefill_window == decode_window and _refuses_completion_budget(self.error):
+            return self
+        differ = (f"decode's max_model_len {decode_window} is not prefill's {prefill_window}"
+                  if None not in windows and prefill_window != decode_window else
+                  "compare their max_model_len, tokenizer and model")
         error = UpstreamError(f"decode engine {decode.url} refused a request the prefill engine accepted (HTTP {self.status}: "
-                              f"{self.error.message}): prefill and decode disagree; compare their max_model_len, tokenizer and "
-                              "model (python -m doctor check)", code="decode_rejected_after_prefill")
+                              f"{self.error.message}): prefill and decode disagree; {differ} (python -m doctor check)",
+                              code="decode_rejected_after_prefill")
         return LegFailed(error, retryable=False, status=self.status, code=self.code)
+
+
+def _refuses_completion_budget(error: APIError) -> bool:
+    """Prompt + max_tokens past the window: our engine names the param, vLLM's older builds say "in the completion"."""
+    return error.param in ("max_tokens", "max_completion_tokens") or "in the completion" in error.message
 
 
 def _role_name(backend: Backend) -> str:

@@ -290,8 +290,11 @@ def direct(log: Log, n: int, service: str = "decode") -> str:
     return rid
 
 
-def context_refused(log: Log, n: int, decode_len: int = 64, prompt: int = 40, max_tokens: int = 48) -> str:
-    """Prefill serves the prompt, decode refuses it: decode's max_model_len is smaller (logged at WARNING)."""
+def context_refused(log: Log, n: int, decode_len: int = 64, prompt: int = 40, max_tokens: int = 48,
+                    prefill_len: int = 512) -> str:
+    """Prefill serves the prompt, decode refuses it for prompt + max_tokens past its window (logged at WARNING). The
+    router knows both windows (/v1/models): smaller than prefill's, the engines' fault (502); the same, the client's
+    400, passed on as our engine words it."""
     rid = request_id(n)
     tid = f"kv-{rid[4:]}"
     _scheduled(log, rid, True)
@@ -301,16 +304,22 @@ def context_refused(log: Log, n: int, decode_len: int = 64, prompt: int = 40, ma
            queue_ms=0.2)
     _access(log, "prefill", rid, 200, 33.0)
     log.ev("router", events.ROUTER_PREFILL_DONE, "prefill done", rid, prefill=PREFILL, prefill_ms=34.0, transfer_id=tid)
+    shared = decode_len == prefill_len
     msg = (f"This model's maximum context length is {decode_len} tokens. However, you requested {prompt + max_tokens} "
            f"tokens ({prompt} in the messages, {max_tokens} in the completion).")
-    log.ev("decode", events.HTTP_BAD_REQUEST, msg, rid, status=400, type="invalid_request_error", code=None)
+    code = "context_length_exceeded" if shared else None
+    log.ev("decode", events.HTTP_BAD_REQUEST, msg, rid, status=400, type="invalid_request_error", code=code)
     _access(log, "decode", rid, 400, 1.0)
-    body = json.dumps({"error": {"message": msg, "type": "invalid_request_error", "param": None, "code": None}})
+    body = json.dumps({"error": {"message": msg, "type": "invalid_request_error", "param": "max_tokens" if shared else None,
+                                 "code": code}})
     log.ev("router", events.ROUTER_UPSTREAM_ERROR, f"decode {DECODE} answered HTTP 400", rid, backend=DECODE,
            role="decode", status=400, body=body)
-    log.ev("router", events.ROUTER_DECODE_FAILED, f"decode {DECODE} failed: {msg}", rid, "WARNING", decode=DECODE,
-           status=400, error=msg, mid_stream=False, retried=False)
-    _done(log, rid, 400, prompt, 0, 40.0, msg)
+    answer = msg if shared else (
+        f"decode engine {DECODE} refused a request the prefill engine accepted (HTTP 400: {msg}): prefill and decode "
+        f"disagree; decode's max_model_len {decode_len} is not prefill's {prefill_len} (python -m doctor check)")
+    log.ev("router", events.ROUTER_DECODE_FAILED, f"decode {DECODE} failed: {answer}", rid, "WARNING", decode=DECODE,
+           status=400 if shared else 502, error=answer, mid_stream=False, retried=False)
+    _done(log, rid, 400 if shared else 502, prompt, 0, 40.0, answer)
     log.tick(20)
     return rid
 
@@ -394,6 +403,8 @@ def write_bundles(folder: Path) -> Path:
                        unknown_route(log, 5, "GET", "/v1/embeddings"), unknown_route(log, 6, "HEAD", "/v1/api/hello")),
           "v2ts", folder, "base_url.log")
     _with(lambda log: (request(log, 1), context_refused(log, 2)), "v2ts", folder, "max_model_len.log")
+    _with(lambda log: (request(log, 1), context_refused(log, 2, decode_len=512, max_tokens=500)), "v2ts", folder,
+          "max_tokens_past_window.log")
     _with(lambda log: (request(log, 1), mystery(log, 2)), "v2", folder, "unexplained.log")
 
     log = Log()

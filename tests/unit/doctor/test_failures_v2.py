@@ -70,6 +70,15 @@ def test_decode_max_model_len_names_key_values_files_and_warning_line(bundles):
     assert ids(findings) == {"config.max_model_len_mismatch"}
 
 
+def test_max_tokens_past_a_shared_window_is_the_clients_not_a_mismatch(bundles):
+    """The same refusal when both windows are 512 (the router answered the client's 400): the request asked too much,
+    long_prompt.context_exceeded; no config mismatch, no decode failure blamed on the engines."""
+    findings, _ = diagnose(bundles / "max_tokens_past_window.log")
+    f = by_id(findings, "long_prompt.context_exceeded")
+    assert "512-token window" in f.cause and "540 tokens" in f.cause
+    assert ids(findings) == {"long_prompt.context_exceeded"}
+
+
 def test_a_failure_nobody_knows_is_unexplained_not_healthy(bundles):
     """A 500 no diagnosis recognises → request.unexplained with its status and lines; no healthy."""
     findings, _ = diagnose(bundles / "unexplained.log")

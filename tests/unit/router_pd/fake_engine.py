@@ -39,6 +39,9 @@ VLLM_NO_TOOL_PARSER_BODY = {"error": {"message": '"auto" tool choice requires --
                                       "type": "BadRequestError", "param": None, "code": 400}}
 
 
+PROMPT_TOKENS = 3  # what the fake says every prompt is
+
+
 @dataclass
 class Faults:
     """What the fake does wrong, per leg (counts down: `http_500=1` fails only the first request)."""
@@ -71,7 +74,7 @@ class FakeEngine:
     peers: list[Any] = field(default_factory=list)  # each request's client address: which connection it came on
     prefill_answers: list[dict[str, Any]] = field(default_factory=list)  # every answer to a prefill leg, as sent
     disconnects: int = 0  # requests whose client (the router) went away before the answer was sent
-    max_model_len: int | None = None  # the window /v1/models reports (vLLM's field), if any
+    max_model_len: int | None = None  # the window /v1/models reports (vLLM's field) and `max_tokens` is checked against
     serving: bool = True  # what both health endpoints say: gRPC health and vLLM-style GET /health
     kv_port: int | None = FAKE_KV_PORT  # reported on GET /health by decodes, as our engine does (None: not reported)
     health_asks: list[float] = field(default_factory=list)  # when GET /health was asked (loop time)
@@ -138,6 +141,11 @@ class FakeEngine:
             assert request.transport is not None, "request without transport"
             request.transport.close()
             await asyncio.sleep(1)
+        if self.max_model_len and PROMPT_TOKENS + (body.get("max_tokens") or 0) > self.max_model_len:
+            return web.json_response({"error": {
+                "message": f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                           f"{PROMPT_TOKENS + body['max_tokens']} tokens ({PROMPT_TOKENS} in the prompt, {body['max_tokens']} for the completion).",
+                "type": "invalid_request_error", "param": "max_tokens", "code": "context_length_exceeded"}}, status=400)
         if faults.http_400:
             faults.http_400 -= 1
             return web.json_response({"error": {"message": "'n' > 1 is not supported", "type": "invalid_request_error"}}, status=400)
@@ -172,7 +180,7 @@ class FakeEngine:
             answer["kv_transfer_params"] = dict(VLLM_NIXL_PREFILL_PARAMS)
         elif self.kv_producer:
             answer["kv_transfer_params"] = {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": params["transfer_id"],
-                                            "num_tokens": 3, "remote_host": "127.0.0.1", "remote_port": 1}
+                                            "num_tokens": PROMPT_TOKENS, "remote_host": "127.0.0.1", "remote_port": 1}
         self.prefill_answers.append(answer)
         return web.json_response(answer)
 
@@ -181,7 +189,7 @@ class FakeEngine:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}} if chat else {"index": 0, "text": text}
         return {"id": "cmpl-fake", "object": "chat.completion" if chat else "text_completion", "created": 1, "model": "fake-model",
                 "choices": [{**choice, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 3, "completion_tokens": tokens, "total_tokens": 3 + tokens}, "kv_transfer_params": None}
+                "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": tokens, "total_tokens": PROMPT_TOKENS + tokens}, "kv_transfer_params": None}
 
     async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         faults = self.faults
@@ -216,8 +224,8 @@ class FakeEngine:
                 await response.write_eof()
                 return response
             if (body.get("stream_options") or {}).get("include_usage"):
-                await send(frame({**base, "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": self.tokens,
-                                                                   "total_tokens": 3 + self.tokens}}))
+                await send(frame({**base, "choices": [], "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": self.tokens,
+                                                                   "total_tokens": PROMPT_TOKENS + self.tokens}}))
             await response.write(b"".join(pending))
             await send_done(response)
         except ConnectionError:  # a write to a closed connection (a cancelled handler counts in _handle)

@@ -78,6 +78,28 @@ async def test_a_decode_refusing_what_prefill_accepted_is_a_502_not_the_clients_
     assert "max_model_len" in caught.value.message
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_completion_budget_past_the_shared_window_is_the_clients_400(fake, pd, stream):
+    """Only decode checks prompt + max_tokens against the window (the prefill leg asks one token). With both engines'
+    windows the same, decode's refusal is the client's 400 naming max_tokens, as one engine would have answered."""
+    prefill, decode = await fake("prefill", max_model_len=512), await fake("decode", max_model_len=512)
+    client = await pd([prefill], [decode])
+    with pytest.raises(InvalidRequest, match="maximum context length is 512 tokens") as caught:
+        await client.complete("rlen", "chat", "/v1/chat/completions", *typed(dict(CHAT, max_tokens=510, stream=stream)))
+    assert caught.value.status == 400 and caught.value.param == "max_tokens"
+    assert (len(prefill.seen), len(decode.seen)) == (1, 1)
+
+
+async def test_a_decode_window_smaller_than_prefills_is_a_502_naming_both(fake, pd):
+    """The same refusal from a decode whose window is smaller than its prefill's is the deployment's fault."""
+    prefill, decode = await fake("prefill", max_model_len=512), await fake("decode", max_model_len=64)
+    client = await pd([prefill], [decode])
+    with pytest.raises(UpstreamError) as caught:
+        await client.complete("rlen2", "chat", "/v1/chat/completions", *typed(dict(CHAT, max_tokens=100)))
+    assert caught.value.status == 502 and caught.value.code == "decode_rejected_after_prefill"
+    assert "decode's max_model_len 64 is not prefill's 512" in caught.value.message
+
+
 async def test_an_engine_without_tool_calling_is_named_not_the_clients_request(fake, pd, logs):
     """vLLM started without tool calling refuses tools with tool_choice "auto" (every agent turn): the client's 400 names
     the field and says the engine lacks tool calling (its request is valid), nothing is retried, and tool_choice "none"
