@@ -12,7 +12,7 @@ so they never compete for the cores. Through each server's own OpenAI API, at th
 - decode: tokens/s at batch 1, 8 and 32 (that many concurrent streams, ignore_eos) with 800 and 8k-token prompts:
   once every stream is past its first token, each counts WINDOW more tokens and hangs up; the tokens emitted from
   that common start to the first hang-up, over that time (the batch's steady state at that context).
---quick: prefill 1k and 4k, context 800 (--prefill / --contexts pick points). --rounds N measures both servers N
+--quick: prefill 1k and 4k, context 800 (--prefill / --contexts / --batches pick points). --rounds N measures both servers N
 times, numpy first in odd rounds and vLLM first in even ones, with the load average at each round's start; it prints
 each figure's median [min–max] over the rounds and the ratio vLLM / numpy paired by round.
 """
@@ -40,8 +40,8 @@ from stack.engine import tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 BATCHES = (1, 8, 32)
-FULL = {"prefill": (1024, 4096, 16384, 32768), "contexts": (800, 8192)}
-QUICK = {"prefill": (1024, 4096), "contexts": (800,)}
+FULL = {"prefill": (1024, 4096, 16384, 32768), "contexts": (800, 8192), "batches": BATCHES}
+QUICK = {"prefill": (1024, 4096), "contexts": (800,), "batches": BATCHES}
 WINDOW = 32  # tokens each stream counts after the common start
 MAX_TOKENS = 2048  # a stream's cap: far beyond where it hangs up, so none finishes before the last one starts
 
@@ -147,7 +147,7 @@ async def measure(server: Server, tokenizer: Tokenizer, repeat: int, seed: int, 
             figures[f"prefill_{n}"], figures[f"prompt_tokens_{n}"] = await prefill_rate(
                 session, server, [prompt_of(tokenizer, n, seed + n + i) for i in range(runs)])
         for context in points["contexts"]:
-            for batch in BATCHES:
+            for batch in points["batches"]:
                 prompts = [prompt_of(tokenizer, context, seed + 7 * context + 100 * batch + i) for i in range(batch)]
                 figures[f"decode_b{batch}_c{context}"] = await decode_rate(session, server, prompts)
         return figures
@@ -166,17 +166,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="prefill 1k and 4k, context 800 only")
     ap.add_argument("--prefill", type=_ints, help="prompt lengths, comma-separated (instead of the set's)")
     ap.add_argument("--contexts", type=_ints, help="decode contexts, comma-separated (instead of the set's)")
+    ap.add_argument("--batches", type=_ints, help="decode batch sizes, comma-separated (instead of 1,8,32: a batch of 32 at "
+                                                  "context 8k prefills 256k tokens a server)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="times both servers are measured, the order alternated each round (numpy first, then vLLM first)")
     a = ap.parse_args()
     points = dict(QUICK if a.quick else FULL)
-    points.update({key: getattr(a, key) for key in ("prefill", "contexts") if getattr(a, key)})
+    points.update({key: getattr(a, key) for key in ("prefill", "contexts", "batches") if getattr(a, key)})
     max_len = max(*points["prefill"], *points["contexts"]) + MAX_TOKENS + 64
     work = Path(tempfile.mkdtemp(prefix="vllm-anchor-"))
     ckpt = work / "checkpoint"
     config = tiny_llama.write(ckpt, a.layers, a.hidden, a.heads, a.kv_heads, a.ffn, max_len=max_len)
     # the largest batch holds its whole context plus what it may generate before it hangs up
-    kv_bytes = max(BATCHES) * (max(points["contexts"]) + MAX_TOKENS) * config.kv_bytes_per_token * 5 // 4
+    kv_bytes = max(points["batches"]) * (max(points["contexts"]) + MAX_TOKENS) * config.kv_bytes_per_token * 5 // 4
     tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     venv = vllm_venv()
     print(f"checkpoint {ckpt}: {config.n_layers} layers, hidden {config.dim}, heads {config.n_heads}/{config.n_kv_heads}, "
@@ -220,7 +222,7 @@ def main() -> None:
     print(f"load average at the end {_load()}")
     rows = [(f"prefill tok/s ({int(rounds[0]['numpy engine'][f'prompt_tokens_{n}'])}-token prompt)", f"prefill_{n}")
             for n in points["prefill"]] + \
-           [(f"decode tok/s batch {b}, context {c}", f"decode_b{b}_c{c}") for c in points["contexts"] for b in BATCHES]
+           [(f"decode tok/s batch {b}, context {c}", f"decode_b{b}_c{c}") for c in points["contexts"] for b in points["batches"]]
     print(f"\n  {'figure':<34} {'numpy engine':>22} {'vLLM CPU':>22} {'vLLM / numpy (paired)':>26}")
     for label, key in rows:
         ours = [x["numpy engine"][key] for x in rounds]
