@@ -100,6 +100,22 @@ async def test_a_decode_window_smaller_than_prefills_is_a_502_naming_both(fake, 
     assert "decode's max_model_len 64 is not prefill's 512" in caught.value.message
 
 
+async def test_a_window_is_asked_again_when_its_engine_comes_back(fake, pd):
+    """A decode restarted with a smaller window (down, then up again) is asked for it before it takes requests: the
+    same refusal that was the client's 400 is then the deployment's 502."""
+    prefill, decode = await fake("prefill", max_model_len=512), await fake("decode", max_model_len=512)
+    client = await pd([prefill], [decode])
+    with pytest.raises(InvalidRequest):
+        await client.complete("rwin1", "chat", "/v1/chat/completions", *typed(dict(CHAT, max_tokens=510)))
+    await decode.set_health(False)
+    await wait_for_state(client, decode.url, "down")
+    decode.max_model_len = 256
+    await decode.set_health(True)
+    await wait_for_state(client, decode.url, "up")
+    with pytest.raises(UpstreamError, match="decode's max_model_len 256 is not prefill's 512"):
+        await client.complete("rwin2", "chat", "/v1/chat/completions", *typed(dict(CHAT, max_tokens=300)))
+
+
 async def test_an_engine_without_tool_calling_is_named_not_the_clients_request(fake, pd, logs):
     """vLLM started without tool calling refuses tools with tool_choice "auto" (every agent turn): the client's 400 names
     the field and says the engine lacks tool calling (its request is valid), nothing is retried, and tool_choice "none"
