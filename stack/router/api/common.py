@@ -76,14 +76,21 @@ def engine_body(request: web.Request, req: Request, api: str, extras: dict[str, 
             raise InvalidRequest(f"Unrecognized request argument supplied: {name}", param=name, code="unknown_parameter")
         body = to_body(fit(req, caps))
     except InvalidRequest as err:
-        if names and err.param in names:  # a translated API names the field its client sent (output_config.format)
-            err = InvalidRequest(err.message.replace(f"'{err.param}'", f"'{names[err.param]}'", 1), param=names[err.param], code=err.code)
+        err = client_field(err, names or {})
         if err.code in ("unsupported_parameter", "unknown_parameter"):
             log_event(events.ROUTER_UNSUPPORTED, f"{api}: refused {err.param}: {err.message}", api=api, param=err.param,
                       capabilities=list(caps.names))
         raise err from None
     body["model"] = resolve_model(request, req.model)
     return {**body, **(extras or {})}
+
+
+def client_field(err: InvalidRequest, names: dict[str, str]) -> InvalidRequest:
+    """A refusal that names a chat field (the router's, or an engine's: max_tokens past the window), naming instead the
+    field a translated API's client sent (`names`: max_tokens → max_output_tokens, response_format → text.format)."""
+    if err.param not in names:
+        return err
+    return InvalidRequest(err.message.replace(f"'{err.param}'", f"'{names[err.param]}'", 1), param=names[err.param], code=err.code)
 
 
 def vllm_extras(body: dict[str, Any]) -> dict[str, Any]:

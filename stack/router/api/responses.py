@@ -52,7 +52,7 @@ from stack.protocol.messages import CHAT_ROLES, text_content
 from stack.protocol.parse import parse
 from stack.protocol.tools import function_tools
 from stack.protocol.types import Request
-from stack.router.api.common import capabilities, charge, deltas, engine_body, read_json, relay
+from stack.router.api.common import capabilities, charge, client_field, deltas, engine_body, read_json, relay
 from stack.router.api.openai import CHAT_PATH
 from stack.router.appkeys import PD
 
@@ -60,7 +60,7 @@ _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _ROLES = {"user", "assistant", "system", "developer"}
 
 
-_NAMES = {"response_format": "text.format", "max_tokens": "max_output_tokens"}  # chat field -> the field this API's client sent (refusals name it)
+_NAMES = {"response_format": "text.format", "max_tokens": "max_output_tokens", "messages": "input"}  # chat field -> the field this API's client sent (refusals name it)
 
 
 def _messages(f: Fields, caps: Capabilities) -> list[dict[str, Any]]:
@@ -155,9 +155,15 @@ async def responses(request: web.Request) -> web.StreamResponse:
     upstream = engine_body(request, req, "responses", names=_NAMES)
     shape = _Shape(req, body)
     pd = request.app[PD]
+    try:  # an engine's refusal of a field names the one this client sent (max_output_tokens past the window)
+        if req.stream:
+            stream = await pd.open(request[REQUEST_ID], "responses", CHAT_PATH, req, upstream, request.headers)
+        else:
+            result = await pd.complete(request[REQUEST_ID], "responses", CHAT_PATH, req, upstream, request.headers)
+    except InvalidRequest as err:
+        raise client_field(err, _NAMES) from None
     if req.stream:
-        return await relay(request, await pd.open(request[REQUEST_ID], "responses", CHAT_PATH, req, upstream, request.headers), _EventRelay(shape))
-    result = await pd.complete(request[REQUEST_ID], "responses", CHAT_PATH, req, upstream, request.headers)
+        return await relay(request, stream, _EventRelay(shape))
     charge(request, result.get("usage"))
     choice = (result.get("choices") or [{}])[0]
     message = choice.get("message") or {}

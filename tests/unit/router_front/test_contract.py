@@ -103,3 +103,11 @@ async def test_a_limit_only_the_model_knows_keeps_the_engines_param_and_code(rou
         engine_alone = await verdict(response)
     assert engine_alone == (400, "max_tokens", "context_length_exceeded")
     assert through_router == engine_alone
+
+
+async def test_a_responses_client_is_told_its_own_field(router: TestClient) -> None:
+    """The same refusal on /v1/responses names max_output_tokens, the field that client sent (the engine saw max_tokens)."""
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 10**6}
+    for stream in (False, True):
+        answer = await router.post("/v1/responses", json={**body, "stream": stream}, headers=auth())
+        assert await verdict(answer) == (400, "max_output_tokens", "context_length_exceeded")
