@@ -7,7 +7,7 @@
                                                      on every return, and stays down until it has; asked again
                                                      every round (a recreated container has a new hostname)
     each backend's window, the engines' model id   → its /v1/models `max_model_len` (asked when it comes up); the
-                                                     model id from the first decode that answers
+                                                     model id from the decode that answered last
     each backend's capabilities and fingerprint    → settings.toml [prefill]/[decode] `capabilities` when set, else
                                                      its GET /health `capabilities` (asked when it comes up; none
                                                      reported = none of the extras); `capabilities` is what every
@@ -52,7 +52,6 @@ class HealthMonitor:
         self.session = session
         self.kv = kv
         self.model = config.taotoken.model_id  # the engines' model id once learned; the public one until then
-        self._model_learned = False
         self.max_model_len: int | None = None  # the decodes' context length (their /v1/models `max_model_len`, vLLM's field)
         # By backend URL: each engine's own window, asked when it comes up. A decode that refuses what its prefill
         # accepted is the client's fault only when the two windows are the same (upstream.LegFailed.after_prefill).
@@ -239,8 +238,8 @@ class HealthMonitor:
         self._capabilities[backend.url] = caps
 
     async def _learn_model(self, backend: Backend) -> None:
-        """`backend`'s window and, from the first decode that answers, the engines' model id, from its /v1/models (the
-        config's model_id until then; an engine without the field has no window known)."""
+        """`backend`'s window and, from a decode, the engines' model id and the decodes' window, from its /v1/models
+        (the config's model_id until a decode answers; an engine without the field has no window known)."""
         try:
             async with self.session.get(backend.url + "/v1/models",
                                         timeout=timeout(self.config.scheduler.connect_timeout_ms, 5000)) as response:
@@ -254,8 +253,8 @@ class HealthMonitor:
             self.windows.pop(backend.url, None)
         else:
             self.windows[backend.url] = window
-        if backend.role != "prefill" and not self._model_learned:
-            self.model, self.max_model_len, self._model_learned = model["id"], window, True
+        if backend.role != "prefill":  # a decode restarted with another window is asked again: its answer holds
+            self.model, self.max_model_len = model["id"], window
 
     def _gauges(self) -> Iterable[GaugeSample]:
         for b in self.scheduler.backends:
