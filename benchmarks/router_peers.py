@@ -1,10 +1,12 @@
 """Our router next to the routers a user would pick instead (smg, vllm-router, sglang-router, LiteLLM), in one run.
 
     cd <repo> && WORK/venv-harness/bin/python -m benchmarks.router_peers --peers PEERS -- \
-        --work WORK --pd-python $PWD/.venv/bin/python --targets direct pd-deploy pd-deploy-asyncio \
+        --work WORK --pd-python $PWD/.cache/deployed-venv/bin/python --targets direct pd-deploy pd-deploy-asyncio \
         pd-deploy-redis smg vllm-router vllm-router-rr sglang-router --repeats 2 --out WORK/A.json
 
-`--pd-python` must be an absolute path: bench.py starts each router in its own run folder (cwd).
+`--pd-python` must be an absolute path: bench.py starts each router in its own run folder (cwd). Give it the
+interpreter the image runs (`scripts/deployed-python.sh` makes .cache/deployed-venv: Debian's CPython 3.11 and the
+image's wheelhouse); another build of 3.11 measures another router (pyenv's default build: ~10% slower).
 PEERS is the peers harness (its README: `setup.sh WORK` makes one venv per peer, each `pip install`ed from
 PyPI, outside this project's venv; `bench.py` starts a fake backend and each router pinned to one core,
 and reads the router's CPU from /proc). Everything after `--` goes to its bench.py unchanged. This script
@@ -22,7 +24,7 @@ here, by how the process is started, never by a switch in the product:
 
 Each row: CPU µs per request (plain / PD), µs per relayed stream chunk, added latency; `report.py A.json`
 prints the table (docs/router-performance.md). Tiny check that everything starts and answers:
-`-- --work WORK --pd-python $PWD/.venv/bin/python --targets direct pd-deploy pd-deploy-redis --repeats 1
+`-- --work WORK --pd-python $PWD/.cache/deployed-venv/bin/python --targets direct pd-deploy pd-deploy-redis --repeats 1
 --requests 50 --seq-requests 20 --streams 8 --ttft-streams 2 --chunks 8 --max-s 5`.
 """
 
