@@ -10,7 +10,7 @@ source "$(dirname "$0")/common.sh"
 deployed="$CACHE/deployed-venv"
 python=/usr/bin/python3.11  # Debian's own interpreter, the image's (pd-deploy/base:bookworm installs the same package)
 [[ -x "$python" ]] && dpkg -s python3.11-minimal >/dev/null 2>&1 \
-    || die "no Debian python3.11 on this host: the image runs Debian bookworm's (apt-get install python3.11-venv on bookworm), \
+    || die "no Debian python3.11 on this host: the image runs Debian bookworm's (apt-get install python3.11 on bookworm), \
 or measure with .venv/bin/python and say that it is not the deployed interpreter"
 [[ -f "$CACHE/wheels/requirements.txt" ]] || die "no wheelhouse in .cache/wheels: run ./pd bootstrap first"
 stamp="$deployed/.pd-stamp"
