@@ -26,10 +26,13 @@ traceback) goes through loguru and ends in the same writer, so every line has th
 from __future__ import annotations
 
 import asyncio
+import atexit
+import io
 import logging
 import os
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -91,6 +94,7 @@ class _Output:
     timestamp: Callable[[], str] = _UtcClock.text  # tests set a fake clock (setup_logging)
     strict = os.environ.get(STRICT_ENV) == "1"
     flush_loop: asyncio.AbstractEventLoop | None = None  # the loop a flush is scheduled on, if any
+    flush_thread = 0  # the thread that loop runs in
 
     @classmethod
     def flush(cls) -> None:
@@ -147,13 +151,16 @@ def _write(level: str, event: str, request_id: str, msg: str, fields: dict[str, 
     if client_id is not None:
         line += ', "client_request_id": ' + _json(client_id)
     _Output.stream.write(redact(line) + "}\n")
+    pending = _Output.flush_loop
+    if pending is not None and _Output.flush_thread == threading.get_ident() and pending.is_running():
+        return  # this thread's loop flushes at the end of its step (asking for the running loop is a getpid syscall on 3.11)
     try:
         loop = asyncio.get_running_loop()
     except RuntimeError:  # no loop in this thread (start-up, worker threads, tools): now
         _Output.stream.flush()
         return
-    if _Output.flush_loop is not loop:  # (a loop that closed before its flush ran does not block the next loop's)
-        _Output.flush_loop = loop
+    if pending is not loop:  # (a loop that closed before its flush ran does not block the next loop's)
+        _Output.flush_loop, _Output.flush_thread = loop, threading.get_ident()
         loop.call_soon(_Output.flush)
 
 
@@ -195,6 +202,26 @@ class _InterceptHandler(logging.Handler):
         logger.bind(logger=record.name).opt(exception=record.exc_info).log(level, record.getMessage())
 
 
+_buffers: dict[int, TextIO] = {}  # stdout's file descriptor → the buffered stream over it (one per process)
+
+
+def _buffered(stdout: TextIO) -> TextIO:
+    """stdout with a buffer of its own when it writes through: under PYTHONUNBUFFERED (the image sets it, so that
+    every other writer's output leaves at once) each line would be a write syscall of its own, to the container's log
+    pipe. `_write` flushes this buffer itself: at the end of the loop step that wrote, or at once off a loop; and at exit."""
+    if not getattr(stdout, "write_through", False):
+        return stdout
+    try:
+        fd = stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without a file (a test's capture): as it is
+        return stdout
+    if fd not in _buffers:
+        raw = io.FileIO(fd, "w", closefd=False)
+        _buffers[fd] = io.TextIOWrapper(io.BufferedWriter(raw, 1 << 16), encoding=stdout.encoding, errors=stdout.errors)
+        atexit.register(_buffers[fd].flush)
+    return _buffers[fd]
+
+
 def setup_logging(service: str, level: str = "INFO", sink: TextIO | None = None,
                   clock: Callable[[], datetime] | None = None) -> None:
     """Configure logging for `service`; call once at process start (tests may call it again).
@@ -202,7 +229,7 @@ def setup_logging(service: str, level: str = "INFO", sink: TextIO | None = None,
     `clock` gives each line's time (a timezone-aware datetime); tests pass a fake one."""
     _Output.service, _Output.service_json = service, _json(service)
     _Output.min_level = _LEVELS[level.upper()]
-    _Output.stream = sink or sys.stdout
+    _Output.stream = sink or _buffered(sys.stdout)
     _Output.timestamp = _clock_text(clock) if clock is not None else _UtcClock.text
     _Output.strict = os.environ.get(STRICT_ENV) == "1"
     _Output.flush_loop = None

@@ -352,10 +352,9 @@ class EngineHTTP:
 
     def _take_idle(self, origin: _Origin) -> _Connection | None:
         idle = self._idle.get(origin.key)
-        now = asyncio.get_running_loop().time()
         while idle:
-            connection = idle.pop()
-            if not connection.closed and now - connection.idle_since < self.keepalive_s:
+            connection = idle.pop()  # its loop's clock: asking asyncio for the running loop is a getpid syscall on 3.11
+            if not connection.closed and connection.loop.time() - connection.idle_since < self.keepalive_s:
                 return connection
             connection.drop()
         return None

@@ -6,8 +6,13 @@ import asyncio
 import io
 import json
 import logging
+import os
 import re
+import subprocess
+import sys
+import threading
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 from aiohttp import web
 
@@ -132,6 +137,38 @@ async def test_lines_of_one_loop_step_leave_in_one_flush() -> None:
     assert sink.flushes == 1
     await asyncio.to_thread(log_event, events.SERVICE_STOPPING, "from a worker thread")
     assert sink.flushes == 2
+    log_event(events.SERVICE_STOPPING, "on the loop: its flush is pending")
+    worker = threading.Thread(target=log_event, args=(events.SERVICE_STOPPING, "a thread does not wait for the loop's flush"))
+    worker.start()
+    worker.join()  # the loop is held meanwhile: only the thread itself can have flushed
+    assert sink.flushes == 3 and len(sink.getvalue().splitlines()) == 6
+
+
+_UNBUFFERED_SERVICE = """
+import asyncio, os
+from stack.common import events
+from stack.common.logging import log_event, setup_logging
+setup_logging("router")
+log_event(events.SERVICE_STOPPING, "off the loop")
+async def main():
+    for i in range(3):
+        log_event(events.SERVICE_STOPPING, f"step {i}")
+    os.write(1, b"MARK\\n")  # straight to the descriptor, during the step
+    await asyncio.sleep(0)
+    log_event(events.SERVICE_STOPPING, "the last line, flushed before exit")
+asyncio.run(main())
+"""
+
+
+def test_stdout_lines_leave_once_a_step_under_pythonunbuffered() -> None:
+    """The image sets PYTHONUNBUFFERED, which makes sys.stdout write each line through (one syscall a line, to the
+    container's log pipe). A service's log lines still leave once a step: the lines of a step arrive after a byte
+    written straight to the descriptor during that step; a line off the loop leaves at once; none is lost at exit."""
+    done = subprocess.run([sys.executable, "-c", _UNBUFFERED_SERVICE], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[3], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stderr
+    out = [line if line == "MARK" else json.loads(line)["msg"] for line in done.stdout.splitlines()]
+    assert out == ["off the loop", "MARK", "step 0", "step 1", "step 2", "the last line, flushed before exit"]
 
 
 async def test_health_not_serving_until_set() -> None:
