@@ -22,6 +22,9 @@ here, by how the process is started, never by a switch in the product:
   pd-deploy-before   the router of another checkout (`--before DIR`, e.g. `git worktree add DIR HEAD~1`), started
                      the same way: a change's effect measured in the same run as the peers
 
+`--log-pipe` writes every pd-deploy arm's stdout (its JSON log lines) into a pipe that a process outside the router's
+process tree drains, as Docker's log driver does in a deployment; without it the harness writes it to a file.
+
 Each row: CPU µs per request (plain / PD), µs per relayed stream chunk, added latency; `report.py A.json`
 prints the table (docs/router-performance.md). Tiny check that everything starts and answers:
 `-- --work WORK --pd-python $PWD/.cache/deployed-venv/bin/python --targets direct pd-deploy pd-deploy-redis --repeats 1
@@ -51,15 +54,35 @@ _ARMS = {
 }
 
 
+# --log-pipe: the router's fd 1 becomes the write end of a FIFO before its main() runs (its stdout is made on fd 1).
+_TO_PIPE = "import os\nos.dup2(os.open(os.environ['PD_BENCH_LOG_FIFO'], os.O_WRONLY), 1)\n"
+_DRAIN = "import os, sys\nfd = os.open(sys.argv[1], os.O_RDONLY)\nwhile os.read(fd, 1 << 16):\n    pass\n"
+
+
 def _load_harness(peers: Path) -> ModuleType:
     sys.path.insert(0, str(peers))  # bench.py imports its siblings (loadgen, report) by name
     return importlib.import_module("bench")
 
 
-def _with_arms(bench: ModuleType, redis_url: str | None, before: Path | None) -> type:
-    """The harness's Target, knowing our arms too."""
+def _with_arms(bench: ModuleType, redis_url: str | None, before: Path | None, drains: list[subprocess.Popen[bytes]] | None,
+               client_core: int) -> type:
+    """The harness's Target, knowing our arms too; `drains` (--log-pipe): the pipes' readers started so far."""
 
     harness = bench.Target
+
+    def to_pipe(argv: list[str], env: dict, rundir: Path, name: str, mode: str, port: int) -> list[str]:
+        """`argv` with its stdout a FIFO, and the FIFO's reader started (on the client core, outside the router's tree)."""
+        if drains is None or not argv:
+            return argv
+        fifo = rundir / f"{name}-{mode}-{port}.log.fifo"
+        os.mkfifo(fifo)
+        taskset = shutil.which("taskset")
+        drains.append(subprocess.Popen(([taskset, "-c", str(client_core)] if taskset else []) + [sys.executable, "-c", _DRAIN, str(fifo)],
+                                       start_new_session=True))
+        env["PD_BENCH_LOG_FIFO"] = str(fifo)
+        python, flag, what, *rest = argv
+        code = what if flag == "-c" else f"import runpy\nrunpy.run_module({what!r}, run_name='__main__', alter_sys=True)\n"
+        return [python, "-c", _TO_PIPE + code, *rest]
 
     class Target(harness):
         def modes(self) -> list[str]:
@@ -68,6 +91,10 @@ def _with_arms(bench: ModuleType, redis_url: str | None, before: Path | None) ->
         def command(self, mode: str, port: int, rundir: Path) -> tuple[list[str], dict, str, str | None]:
             if not self.name.startswith("pd-deploy"):
                 return super().command(mode, port, rundir)
+            argv, env, ready, skip = self._ours(mode, port, rundir)
+            return to_pipe(argv, env, rundir, self.name, mode, port), env, ready, skip
+
+        def _ours(self, mode: str, port: int, rundir: Path) -> tuple[list[str], dict, str, str | None]:
             shipped = harness("pd-deploy", self.work, self.pd_python, self.prefill, self.decode)
             argv, env, ready, skip = shipped.command(mode, port, rundir)
             env["PYTHONPATH"] = str(_REPO)  # this checkout's router, whichever checkout --pd-python was installed from
@@ -126,6 +153,7 @@ def main() -> int:
                                      epilog=__doc__)
     parser.add_argument("--peers", required=True, type=Path, help="the peers harness folder (bench.py, setup.sh)")
     parser.add_argument("--before", type=Path, default=None, help="the checkout the pd-deploy-before arm runs")
+    parser.add_argument("--log-pipe", action="store_true", help="our routers log into a pipe another process drains (as under Docker)")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER, help="-- then bench.py's own arguments")
     args = parser.parse_args()
     forwarded = args.bench_args[1:] if args.bench_args[:1] == ["--"] else args.bench_args
@@ -133,17 +161,21 @@ def main() -> int:
     wants_redis = any(arg == "pd-deploy-redis" for arg in forwarded)
     client_core = int(forwarded[forwarded.index("--client-core") + 1]) if "--client-core" in forwarded else 0
     redis, redis_url = None, None
+    drains: list[subprocess.Popen[bytes]] | None = [] if args.log_pipe else None
     with tempfile.TemporaryDirectory(prefix="router-peers-redis-") as folder:
         try:
             if wants_redis and shutil.which("redis-server"):
                 redis, redis_url = _start_redis(Path(folder), client_core)
-            bench.Target = _with_arms(bench, redis_url, args.before.resolve() if args.before else None)
+            bench.Target = _with_arms(bench, redis_url, args.before.resolve() if args.before else None, drains, client_core)
             sys.argv = [str(args.peers / "bench.py"), *forwarded]
             return bench.main()
         finally:
             if redis is not None:
                 redis.terminate()
                 redis.wait(timeout=10)
+            for drain in drains or ():  # each ends at its router's exit; one whose router never started is stopped here
+                drain.kill()
+                drain.wait(timeout=10)
 
 
 if __name__ == "__main__":

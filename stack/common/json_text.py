@@ -1,10 +1,15 @@
-"""JSON encoders made once, for the values the router writes on every request.
+"""JSON codecs made once, for the values the router reads and writes on every request.
 
 `json.dumps` and `JSONEncoder.encode` build a new C encoder on each call, about a microsecond that does nothing
 for the value; the router encodes several values a request (log lines, the legs' bodies, the answer, stream
 frames), so each shape it writes gets one encoder from `make`, called directly. The text is what `json.dumps`
 writes with the same options, byte for byte; the one difference is no circular-reference check (every value
 written comes from parsed JSON or from our own literals, which cannot hold a cycle).
+
+The request bodies, which are large (a coding agent's turn is ~30-90 kB of messages and tool schemas), go through
+msgspec's C codec instead (vLLM's own): `decode` reads strict JSON (no lone surrogate, no NaN or Infinity, no number
+beyond a double) and `encode` writes compact UTF-8. For a 33 kB agent body that is ~2x json.loads and ~5x this module's
+text encoder (docs/router-performance.md).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import json
 from collections.abc import Callable
 from json import encoder as _stdlib
 from typing import Any
+
+import msgspec
 
 
 def _unserialisable(value: Any) -> Any:
@@ -30,3 +37,10 @@ def make(*, ensure_ascii: bool = True, compact: bool = False, default: Callable[
 
 
 dumps = make()  # `json.dumps(value)`: the legs' bodies and the JSON answers, as they were written before
+
+
+# The engines' request bodies as compact UTF-8 JSON bytes (a NaN would become null: decode_body lets none in).
+encode: Callable[[Any], bytes] = msgspec.json.Encoder().encode
+# A request body's bytes as JSON values, strict (RFC 8259): msgspec.DecodeError (or RecursionError) for anything else.
+decode: Callable[[bytes], Any] = msgspec.json.Decoder().decode
+DecodeError = msgspec.DecodeError

@@ -4,9 +4,9 @@ reads off it once (prompt size, token budget, deadlines).
 The API front ends parse a body into the typed request (stack.protocol) and serialise the engine body from it
 (api/common.engine_body); both come here. Everything the router needs to know about the request is read from the
 typed one, once, when the job is made: the prompt's size (one walk of the messages), max_tokens as parse resolved
-it, stream. The body is what the legs send, with only the hand-off's changes (prefill_body, decode_body), as JSON
-bytes: the messages, tools or prompt that both legs (and every retry) carry unchanged are encoded once a request,
-not once a leg, when they are large (an agent's request is ~30 kB of them: ~0.2 ms of encoding a leg).
+it, stream. The body is what the legs send, with only the hand-off's changes (prefill_body, decode_body), as compact
+UTF-8 JSON from msgspec's encoder (json_text.encode): an agent's ~33 kB body in ~15 µs, where the stdlib's text
+encoder took ~75 (docs/router-performance.md).
 """
 
 from __future__ import annotations
@@ -23,17 +23,12 @@ from stack.protocol.types import Request
 from stack.router.deadlines import Budgets
 
 NO_HEADERS: Mapping[str, str] = MappingProxyType({})  # a caller with no client request (benchmarks, tests): no session
-_SHARED = frozenset({"messages", "tools", "prompt"})  # the bulk of a body, the same in every leg
-# Below this many prompt characters (prompt_chars) the legs' bodies are encoded whole, in one call of the C encoder:
-# splicing costs a call per key, and on a one-line chat request it made the router's PD CPU 1.04-1.08x of one
-# encoding a leg. Decided before the bulk is encoded, so a short request encodes its messages only in its legs.
-SPLICE_MIN_CHARS = 2048
 
 
-def prompt_chars(req: Request, tools_json: str | None = None) -> int:
+def prompt_chars(req: Request, tools_json: bytes | None = None) -> int:
     """The prompt's size in characters: message texts, tool calls and tool definitions (chat), or the prompt.
-    `tools_json`: the tools as the legs' bodies carry them, already encoded; its length stands for the definitions'
-    (their JSON framing included, ~70 characters a tool) instead of encoding every schema once more."""
+    `tools_json`: the tools encoded as the legs' bodies carry them; its length stands for the definitions' (their
+    JSON framing included, ~60 bytes a tool) instead of a walk of every schema."""
     if req.kind == "completion":
         return len(req.prompt)  # a token-id prompt: its length is its token count
     if tools_json is not None:
@@ -68,20 +63,15 @@ class Job:
     decode_tokens: int  # what the decode slot counts: prompt_tokens + max_tokens
     budgets: Budgets  # this request's leg timeouts and deadline, sized by its prompt (deadlines.py)
     started: float = field(default_factory=time.perf_counter)
-    shared_json: dict[str, str] = field(default_factory=dict)  # the _SHARED fields' JSON, encoded once (make); {}: small
 
     @classmethod
     def make(cls, request_id: str, api: str, path: str, req: Request, body: dict[str, Any], headers: Mapping[str, str],
              stream: bool, default_max_tokens: int, budgets_for: Callable[[int], Budgets]) -> Job:
         """`budgets_for(prompt_chars) -> Budgets` (PDClient's, which knows the window and the settings)."""
-        tools = json_text.dumps(body["tools"]) if "tools" in body else None  # the prompt estimate reads its length
-        chars = prompt_chars(req, tools)
-        shared = {} if chars < SPLICE_MIN_CHARS else {  # a short request's legs are encoded whole
-            name: tools if name == "tools" else json_text.dumps(body[name]) for name in _SHARED.intersection(body)}
+        chars = prompt_chars(req, json_text.encode(body["tools"]) if "tools" in body else None)
         clean = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # a client must not steer the KV plumbing
         prompt_tokens, max_tokens = estimate_prompt_tokens(req, chars), req.sampling.max_tokens or default_max_tokens
-        return cls(request_id, api, path, req, clean, headers, stream, prompt_tokens, max_tokens, prompt_tokens + max_tokens, budgets_for(chars),
-                   shared_json=shared)
+        return cls(request_id, api, path, req, clean, headers, stream, prompt_tokens, max_tokens, prompt_tokens + max_tokens, budgets_for(chars))
 
     def prefill_body(self, kv_transfer_params: dict[str, Any] | None) -> bytes:
         """One token, not streamed, no stream_options (vLLM's toy proxy). `min_tokens` becomes 1 when the client set
@@ -92,7 +82,7 @@ class Job:
             body["min_tokens"] = 1
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
-        return self._encode(body)
+        return json_text.encode(body)
 
     def decode_body(self, kv_transfer_params: dict[str, Any] | None) -> bytes:
         """The client's request; streams always ask for usage (the router counts tokens from it)."""
@@ -105,12 +95,4 @@ class Job:
             body.pop("stream_options", None)
         if kv_transfer_params is not None:
             body["kv_transfer_params"] = kv_transfer_params
-        return self._encode(body)
-
-    def _encode(self, body: dict[str, Any]) -> bytes:
-        """`json_text.dumps(body)`, byte for byte, with the _SHARED fields' text from shared_json (if kept)."""
-        shared = self.shared_json
-        if not shared:
-            return json_text.dumps(body).encode()
-        items = (f"{json_text.dumps(k)}: {shared[k] if k in shared else json_text.dumps(v)}" for k, v in body.items())
-        return ("{" + ", ".join(items) + "}").encode()
+        return json_text.encode(body)
