@@ -28,7 +28,10 @@ from stack.common.errors import InvalidRequest
 MAX_DEPTH = 64  # the deepest real bodies (tool schemas inside messages) are ~12 levels
 MAX_NUMBER_CHARS = 100  # a JSON number literal: digits, sign, point, exponent (a float64 needs ~25)
 
-_LONG_NUMBER = re.compile(rb"[-+0-9.eE]{%d,}" % (MAX_NUMBER_CHARS + 1))
+# A number's characters as "1", everything else as " ": a literal past the limit is then a run of "1"s, found by one
+# substring search (a regex tried at every position of the structure cost ~8 µs on an agent's body).
+_NUMBER_CHARS = bytes(49 if chr(b) in "-+0123456789.eE" else 32 for b in range(256))
+_LONG_NUMBER = b"1" * (MAX_NUMBER_CHARS + 1)
 # JSON escapes from left to right, each consumed whole so that a backslash's parity is JSON's: an escaped backslash
 # (never the start of a \u escape), a surrogate pair, or a lone surrogate (the one group `lone` names).
 _ESCAPES = re.compile(rb"\\(?:\\|u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|(?P<lone>u[dD][89a-fA-F][0-9a-fA-F]{2}))")
@@ -61,11 +64,11 @@ def check_body(raw: bytes) -> None:
 
     The bracket walk runs only when more than MAX_DEPTH brackets are left once the strings are gone (fewer cannot
     nest deeper)."""
-    surrogate = b"\\u" in raw and _lone_escape(raw) or _RAW_SURROGATE.search(raw)
+    surrogate = b"\\u" in raw and _lone_escape(raw) or b"\xed" in raw and _RAW_SURROGATE.search(raw)
     bare = structure(raw)
     if bare.count(b"[") + bare.count(b"{") > MAX_DEPTH and (depth := max_depth(bare)) > MAX_DEPTH:
         raise InvalidRequest(f"Request body nests JSON {depth} levels deep; at most {MAX_DEPTH} are accepted.", code="json_too_deep")
-    if _LONG_NUMBER.search(bare):
+    if _LONG_NUMBER in bare.translate(_NUMBER_CHARS):
         raise InvalidRequest(f"Request body has a number literal longer than {MAX_NUMBER_CHARS} characters.",
                              code="json_number_too_long")
     if surrogate:
