@@ -11,7 +11,6 @@ encoder took ~75 (docs/router-performance.md).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ def prompt_chars(req: Request, tools_json: bytes | None = None) -> int:
     if tools_json is not None:
         chars = len(tools_json)
     else:
-        chars = sum(len(t.name) + len(t.description or "") + (len(json.dumps(t.parameters)) if t.parameters else 0) for t in req.tools)
+        chars = sum(len(t.name) + len(t.description or "") + (len(json_text.encode(t.parameters)) if t.parameters else 0) for t in req.tools)
     for message in req.messages:
         chars += len(message.content or "") + sum(len(c.name) + len(c.arguments) for c in message.tool_calls)
     return chars
