@@ -36,7 +36,7 @@ def make(*, ensure_ascii: bool = True, compact: bool = False, default: Callable[
     return lambda value: "".join(encode(value, 0))
 
 
-dumps = make()  # `json.dumps(value)`: the legs' bodies and the JSON answers, as they were written before
+dumps = make()  # `json.dumps(value)`: the JSON answers (errors, whole completions)
 
 
 # The engines' request bodies as compact UTF-8 JSON bytes (a NaN would become null: decode_body lets none in).
