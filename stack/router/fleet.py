@@ -57,14 +57,14 @@ class Fleet:
                           timeout(s.connect_timeout_ms, 5000), config.kv_transfer_port) if self.handoff.discovers_kv_addr else None)
         self.monitor = HealthMonitor(config, self.scheduler, session, metrics, kv, clock)
         # Discover pools (replicas.py): the members are whatever their DNS name resolves to, health-gated by the monitor.
-        self.watchers = [ReplicaWatcher(pool, role, self.scheduler, breaker, self.monitor.leave, resolver, clock)
+        self.watchers = [ReplicaWatcher(pool, role, self.scheduler, breaker, self.monitor.leave, self.monitor.admit, resolver, clock)
                          for pool, role in roles if pool.discover and not registers]
         self._sources = {"decode": config.decode.discover or "static", "prefill": config.prefill.discover or "static"}
         self._tokenize_timeout = timeout(s.connect_timeout_ms, s.first_token_timeout_ms)
 
     async def start(self) -> None:
         """The discover pools' first members, then the monitor's first round over them (real states), then both loops."""
-        await asyncio.gather(*(watcher.refresh() for watcher in self.watchers))
+        await asyncio.gather(*(watcher.refresh(admit=False) for watcher in self.watchers))  # the first round probes them
         await self.monitor.start()
         for watcher in self.watchers:
             watcher.start()

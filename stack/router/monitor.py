@@ -118,8 +118,14 @@ class HealthMonitor:
             except Exception:  # noqa: BLE001 - a probe bug must not silently end health checking
                 logger.opt(exception=True).error("backend health round failed; retrying next interval")
 
-    async def _round(self, probe: bool) -> None:
-        backends = self.scheduler.backends  # a snapshot: P2pNccl instances may join or leave while the probes run
+    async def admit(self, joined: list[Backend]) -> None:
+        """Probe backends that just joined a discover pool now, not at the next round (replicas.py: a rolling update's
+        replacement must be up before the task it replaces leaves the pool)."""
+        await self._round(probe=bool(self.config.scheduler.health_interval_ms), backends=joined)
+
+    async def _round(self, probe: bool, backends: list[Backend] | None = None) -> None:
+        # A snapshot (P2pNccl instances may join or leave while the probes run), or the joiners `admit` was given.
+        backends = self.scheduler.backends if backends is None else backends
         probe_timeout = min(2.0, max(0.2, self.config.scheduler.health_interval_ms / 1000))
         states: list[str | None] = [None] * len(backends)
         if probe:

@@ -5,10 +5,13 @@ compose `--scale` (Docker's embedded DNS: one A record per container of the serv
 (`tasks.<service>`: one per running task) and Kubernetes headless Services (one per ready pod).
 
     start, then every discover_interval_ms: resolve NAME (aiohttp's resolver: getaddrinfo in a thread)
-        a new address        → backend http://ADDR:PORT joins its pool *down*: the health monitor's next round lets it
-                               in once it is SERVING (a pd-push decode first tells its KV address, discovery.py)
-        an address gone      → it leaves the pool: no new request goes there; requests in flight hold their Backend
-                               and finish (the engine drains on SIGTERM: stack/common/server.py)
+        a new address        → backend http://ADDR:PORT joins its pool *down* and is probed at once: it takes requests
+                               once it is SERVING (a pd-push decode first tells its KV address, discovery.py)
+        an address gone      → it leaves the pool, after that round's joiners were probed: no new request goes there;
+                               requests in flight hold their Backend and finish (the engine drains on SIGTERM:
+                               stack/common/server.py). In a rolling update (Swarm's start-first) the replacement
+                               enters DNS as the old task leaves it, often in one answer; the old one keeps serving a
+                               few seconds after SIGTERM, so probing the replacement first leaves no moment without one.
         NAME has no address  → the pool empties (scaled to 0; requests get 503 no_<role>_backend + Retry-After)
         the lookup fails     → the pool stays as it was (a DNS hiccup must not empty it); one WARNING per failure streak
 
@@ -21,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp.abc import AbstractResolver
 from aiohttp.resolver import DefaultResolver
@@ -40,14 +43,15 @@ class ReplicaWatcher:
     """Keeps one role's pool equal to what its discover name resolves to (see the module docstring)."""
 
     def __init__(self, pool: PoolConfig, role: Role, scheduler: Scheduler, breaker: tuple[int, float],
-                 on_leave: Callable[[str], None], resolver: AbstractResolver | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """`breaker`: (failures, cool-down s) for joiners; `on_leave(url)`: forget what was learned about a backend."""
+                 on_leave: Callable[[str], None], admit: Callable[[list[Backend]], Awaitable[None]],
+                 resolver: AbstractResolver | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """`breaker`: (failures, cool-down s) for joiners; `on_leave(url)`: forget what was learned about a backend;
+        `admit(joined)`: probe joiners now (HealthMonitor.admit)."""
         target = pool.target
         assert target is not None, "a ReplicaWatcher needs a discover pool"
         self.name, self.port = target
         self.pool, self.role, self.scheduler = pool, role, scheduler
-        self._breaker, self._on_leave, self._clock = breaker, on_leave, clock
+        self._breaker, self._on_leave, self._admit, self._clock = breaker, on_leave, admit, clock
         self._resolver = resolver or DefaultResolver()
         self._failing = False  # logged the current failure streak already
         self._task: asyncio.Task[None] | None = None
@@ -76,23 +80,28 @@ class ReplicaWatcher:
         url = f"http://{host}:{self.port}"
         return url, f"{url}/health" if self.pool.health_check == "http" else f"{host}:{self.pool.discover_health_port}"
 
-    async def refresh(self) -> None:
-        """One resolution, applied: joiners added (down), leavers removed."""
+    async def refresh(self, admit: bool = True) -> None:
+        """One resolution, applied: joiners added (down) and probed (unless not `admit`: at start the monitor's first
+        round does it), then leavers removed."""
         addresses = await self.resolve()
         if addresses is None:
             return
         current = self._mine()
         wanted = dict(self._url(a) for a in sorted(addresses))
+        joined: list[Backend] = []
         for url, health_addr in wanted.items():
             if url in current:
                 continue
             threshold, cooldown = self._breaker
             backend = Backend(url, self.role, self.pool.max_concurrent, health_addr, Breaker(url, threshold, cooldown, self._clock),
                               self.pool.health_check)
-            backend.up = False  # health-gated: the monitor's next round lets it in
+            backend.up = False  # health-gated: admitted below once SERVING
             self.scheduler.add_backend(backend)
+            joined.append(backend)
             log_event(events.DISCOVERY_JOINED, f"{self.role} replica {url} found under {self.pool.discover}; in once healthy",
                       role=self.role, backend=url, discover=self.pool.discover, replicas=len(wanted))
+        if joined and admit:
+            await self._admit(joined)
         for url, backend in current.items():
             if url in wanted:
                 continue

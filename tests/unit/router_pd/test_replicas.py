@@ -71,8 +71,8 @@ def discover_pool(name: str, ports: tuple[int, int]) -> PoolConfig:
 
 
 async def start_client(session: aiohttp.ClientSession, prefill: PoolConfig, decode: PoolConfig,
-                       resolver: AbstractResolver | None) -> PDClient:
-    config = RouterConfig(prefill=prefill, decode=decode, scheduler=SchedulerConfig(health_interval_ms=200))
+                       resolver: AbstractResolver | None, health_interval_ms: int = 200) -> PDClient:
+    config = RouterConfig(prefill=prefill, decode=decode, scheduler=SchedulerConfig(health_interval_ms=health_interval_ms))
     metrics = Metrics()
     client = PDClient(Fleet(config, session, metrics, resolver=resolver), metrics)
     await client.fleet.start()
@@ -141,6 +141,33 @@ async def test_replicas_join_once_healthy_and_leave_while_their_requests_finish(
         before = len(d2.events(events.ENGINE_REQUEST_RECEIVED))
         await complete(client, "after")
         assert len(d2.events(events.ENGINE_REQUEST_RECEIVED)) == before + 1
+    finally:
+        await client.fleet.close()
+
+
+async def test_a_replacement_in_the_same_answer_is_up_before_its_predecessor_leaves(session, replicas, monkeypatch):
+    """A rolling update (Swarm's start-first): the new decode enters DNS in the same answer the old one leaves. The
+    replacement is probed at once, so the pool has a usable decode the moment the old one goes, with the monitor's
+    own next round a minute away."""
+    monkeypatch.setenv("KV_ADVERTISE_HOST", "127.0.0.1")
+    p_ports, d_ports = (free_port(), free_port()), (free_port(), free_port())
+    p1, d1, d2 = replicas("prefill", "127.0.0.2", p_ports), replicas("decode", "127.0.0.2", d_ports), replicas("decode", "127.0.0.3", d_ports)
+    for engine in (p1, d1, d2):
+        engine.start()
+    for engine in (p1, d1, d2):
+        await engine.ready()
+    answers = Answers()
+    answers.records = {"prefill.test": ["127.0.0.2"], "decode.test": ["127.0.0.2"]}
+    client = await start_client(session, discover_pool("prefill.test", p_ports), discover_pool("decode.test", d_ports), answers,
+                                health_interval_ms=60_000)
+    try:
+        await complete(client, "before")
+        answers.records["decode.test"] = ["127.0.0.3"]  # d1's task replaced by d2's, in one answer
+        await watcher(client, "decode").refresh()
+        assert [(b.url, b.up) for b in client.fleet.scheduler.pool("decode")] == [(d2.url, True)]
+        assert backend(client, d2.url).kv_addr == f"127.0.0.1:{d2.kv_port}"
+        await complete(client, "right after")
+        assert len(d2.events(events.ENGINE_REQUEST_RECEIVED)) == 1
     finally:
         await client.fleet.close()
 
