@@ -79,6 +79,22 @@ async def start_client(session: aiohttp.ClientSession, prefill: PoolConfig, deco
     return client
 
 
+async def serving(*engines: EngineProcess) -> None:
+    for engine in engines:
+        engine.start()
+    for engine in engines:
+        await engine.ready()
+
+
+async def discovered(session: aiohttp.ClientSession, p_ports: tuple[int, int], d_ports: tuple[int, int],
+                     health_interval_ms: int = 200) -> tuple[Answers, PDClient]:
+    """A client whose discover pools prefill.test and decode.test both resolve to 127.0.0.2 (a test changes the answers)."""
+    answers = Answers()
+    answers.records = {"prefill.test": ["127.0.0.2"], "decode.test": ["127.0.0.2"]}
+    pools = discover_pool("prefill.test", p_ports), discover_pool("decode.test", d_ports)
+    return answers, await start_client(session, *pools, answers, health_interval_ms)
+
+
 def watcher(client: PDClient, role: str) -> Any:
     return next(w for w in client.fleet.watchers if w.role == role)
 
@@ -95,13 +111,8 @@ async def test_replicas_join_once_healthy_and_leave_while_their_requests_finish(
     p_ports, d_ports = (free_port(), free_port()), (free_port(), free_port())
     p1, p2 = replicas("prefill", "127.0.0.2", p_ports), replicas("prefill", "127.0.0.3", p_ports)
     d1, d2 = replicas("decode", "127.0.0.2", d_ports), replicas("decode", "127.0.0.3", d_ports)
-    for engine in (p1, d1, d2):
-        engine.start()
-    for engine in (p1, d1, d2):
-        await engine.ready()
-    answers = Answers()
-    answers.records = {"prefill.test": ["127.0.0.2"], "decode.test": ["127.0.0.2"]}
-    client = await start_client(session, discover_pool("prefill.test", p_ports), discover_pool("decode.test", d_ports), answers)
+    await serving(p1, d1, d2)
+    answers, client = await discovered(session, p_ports, d_ports)
     try:
         assert [b.url for b in client.fleet.scheduler.pool("prefill")] == [p1.url]
         assert backend(client, d1.url).kv_addr == f"127.0.0.1:{d1.kv_port}"
@@ -152,14 +163,8 @@ async def test_a_replacement_in_the_same_answer_is_up_before_its_predecessor_lea
     monkeypatch.setenv("KV_ADVERTISE_HOST", "127.0.0.1")
     p_ports, d_ports = (free_port(), free_port()), (free_port(), free_port())
     p1, d1, d2 = replicas("prefill", "127.0.0.2", p_ports), replicas("decode", "127.0.0.2", d_ports), replicas("decode", "127.0.0.3", d_ports)
-    for engine in (p1, d1, d2):
-        engine.start()
-    for engine in (p1, d1, d2):
-        await engine.ready()
-    answers = Answers()
-    answers.records = {"prefill.test": ["127.0.0.2"], "decode.test": ["127.0.0.2"]}
-    client = await start_client(session, discover_pool("prefill.test", p_ports), discover_pool("decode.test", d_ports), answers,
-                                health_interval_ms=60_000)
+    await serving(p1, d1, d2)
+    answers, client = await discovered(session, p_ports, d_ports, health_interval_ms=60_000)
     try:
         await complete(client, "before")
         answers.records["decode.test"] = ["127.0.0.3"]  # d1's task replaced by d2's, in one answer
