@@ -43,4 +43,6 @@ dumps = make()  # `json.dumps(value)`: the JSON answers (errors, whole completio
 encode: Callable[[Any], bytes] = msgspec.json.Encoder().encode
 # A request body's bytes as JSON values, strict (RFC 8259): msgspec.DecodeError (or RecursionError) for anything else.
 decode: Callable[[bytes], Any] = msgspec.json.Decoder().decode
+# Keys sorted, compact, UTF-8 kept: text that is equal for equal values whatever their key order (affinity.py).
+encode_sorted: Callable[[Any], bytes] = msgspec.json.Encoder(order="sorted").encode
 DecodeError = msgspec.DecodeError

@@ -25,7 +25,7 @@ def _refuse_constant(name: str) -> float:
 
 def _finite(text: str) -> float:
     value = float(text)
-    if value in (math.inf, -math.inf):
+    if math.isinf(value):
         raise _NotANumber(f"{text[:40]} is beyond the range of a double")
     return value
 

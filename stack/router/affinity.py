@@ -32,7 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-import msgspec
+from stack.common import json_text
 
 # Session id headers, looked up case-insensitively (aiohttp's CIMultiDict), most specific first.
 SESSION_HEADERS = (
@@ -46,8 +46,6 @@ SESSION_HEADERS = (
     "x-session-id",
 )
 MAX_SESSION_ID = 256  # longer or control characters: not an id, ignored (falls back to the prefix hash)
-# The opening's JSON: compact, keys sorted, UTF-8 kept (an agent's tools in C, ~5x the stdlib's sort_keys encoder).
-_SORTED = msgspec.json.Encoder(order="sorted").encode
 
 # Why a backend was chosen: by the session header or the prompt prefix; load-aware because the preferred one was too
 # far ahead ("imbalanced") or had no free slot ("unavailable"), or because the request had no key ("no_key").
@@ -117,7 +115,7 @@ def _opening_pieces(tools: Any, messages: list[Any]) -> Iterator[str]:
     """The JSON of the tools, then of each message up to the first user one, a piece at a time. Joined, the pieces
     equal dumping the tools list whole (a list's JSON is "[" + items joined by "," + "]"), then each message."""
     def dump(part: Any) -> str:
-        return _SORTED(part).decode()
+        return json_text.encode_sorted(part).decode()
     if isinstance(tools, list):
         yield "["
         for i, tool in enumerate(tools):
