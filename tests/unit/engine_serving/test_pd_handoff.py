@@ -88,6 +88,7 @@ async def test_pd_pair_streams_the_same_tokens_as_colocated(trio: Trio, sampling
     # The article's check: kv_producer lines on prefill, kv_consumer lines on decode, one request id.
     sent = [e for e in trio.prefill.events("kv_producer.sent") if e["transfer_id"] == transfer_id]
     received = trio.decode.wait_event("kv_consumer.received")
+    trio.decode.wait_event("kv_consumer.claimed")  # an engine's lines leave at the end of its loop step: wait, not read
     claimed = [e for e in trio.decode.events("kv_consumer.claimed") if e["transfer_id"] == transfer_id]
     assert len(sent) == 1 and sent[0]["request_id"] == request_id and sent[0]["bytes"] > 0
     assert claimed and claimed[0]["request_id"] == request_id
