@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from doctor.checks import (auth_401, backends, bypass, choices_parse, client_view, config_mismatch, engine_config,
-                           engine_paths, healthy, internal_key, kv_transfer, lifecycle, local_proxy, long_prompt,
-                           model_name, nixl_lease_wait, nixl_transport, oauth, p2pnccl, slowness, stalled, tool_calling,
-                           unexplained, unknown_route, upstream)
+from doctor.checks import (auth_401, backends, bypass, choices_parse, client_request, client_view, config_mismatch,
+                           engine_config, engine_paths, healthy, internal_key, kv_transfer, lifecycle, local_proxy,
+                           long_prompt, model_name, nixl_lease_wait, nixl_transport, oauth, p2pnccl, slowness, stalled,
+                           tool_calling, unexplained, unknown_route, upstream)
 from doctor.findings import Context, Finding
 
 
@@ -28,6 +28,8 @@ REGISTRY: tuple[Check, ...] = (
     Check("model", "404 model_not_found (Claude Code's claude-* names)", model_name.check),
     Check("route", "404 for a path the router does not serve: a client base URL with /v1 twice or without it",
           unknown_route.check),
+    Check("client_request", "4xx for what the client sent (invalid_json, a field's type or value, an unsupported "
+          "parameter, 413/408/415): which field, the router's words, the fix", client_request.check),
     Check("internal_key", "engines that refuse the router's PD_INTERNAL_KEY (401/403 → 502 internal_key_rejected)",
           internal_key.check),
     Check("tool_calling", "vLLM engines started without tool calling: requests with tools refused (400)",
@@ -61,7 +63,7 @@ REGISTRY: tuple[Check, ...] = (
           "not Intel's", engine_paths.check),
 )
 # Findings that name a symptom, not a cause: for requests a specific finding explains, they step back.
-GENERIC = frozenset({"choices.decode_failed", "choices.stream_without_done", "backend.decode_down",
+GENERIC = frozenset({"client_request.engine_refused", "choices.decode_failed", "choices.stream_without_done", "backend.decode_down",
                      "backend.prefill_down", "auth.not_from_router"})
 STALLED = "stalled"  # the id `--check` selects the stalled-request diagnosis by
 UNEXPLAINED = "unexplained"  # failed requests no diagnosis explained

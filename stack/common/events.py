@@ -217,8 +217,8 @@ CONFIG_INVALID = Event("config.invalid", ANY, "a bad config value (then the proc
                        required=(FILE, KEY, PROBLEM), level="ERROR")
 HTTP_ACCESS = Event("http.access", ANY, "one HTTP request answered (aiohttp's access log)",
                     required=(METHOD, PATH, STATUS, DURATION_MS))
-HTTP_BAD_REQUEST = Event("http.bad_request", ANY, "a 4xx answered to a client",
-                         required=(STATUS, ERROR_TYPE), optional=(CODE,), level="WARNING")
+HTTP_BAD_REQUEST = Event("http.bad_request", ANY, "a 4xx answered to a client; param: the field it names",
+                         required=(STATUS, ERROR_TYPE), optional=(CODE, PARAM), level="WARNING")
 HTTP_ERROR = Event("http.error", ANY, "a 5xx answered; an unhandled exception carries only exc (traceback in the log only)",
                    optional=(STATUS, ERROR_TYPE, CODE, EXC), level="ERROR")
 HTTP_BODY_TIMEOUT = Event("http.body_timeout", ANY, "a client announced a body and did not send it in time (408)",

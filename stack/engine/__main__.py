@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         config, model, raw = load(args)
     except ConfigError as exc:
         return _config_failed(exc)
-    if args.service_name is None:
-        setup_logging(config.role, args.log_level)
+    if args.service_name is None:  # named by role; a colocated engine ("both") is the doctor's "engine"
+        setup_logging("engine" if config.role == "both" else config.role, args.log_level)
     log_event(events.SERVICE_STARTING, f"engine role {config.role} serving {config.model} ({model.name})", config=args.config,
               role=config.role, kv_role=config.kv_role, model=config.model, checkpoint=config.checkpoint,
               fingerprint=model.fingerprint, load_ms=round((time.perf_counter() - started) * 1000, 1))

@@ -85,7 +85,7 @@ def test_list_checks():
     """--list-checks names every diagnosis."""
     code, out = run("diagnose", "--list-checks")
     assert code == 0
-    assert [line.split()[0] for line in out.splitlines()] == ["client_view", "model", "route", "internal_key", "tool_calling", "engine_config", "lifecycle", "backends", "bypass", "config", "auth", "local_proxy", "oauth", "choices", "kv_transfer", "long_prompt", "upstream", "nixl_lease_wait", "nixl_transport", "p2pnccl", "slowness", "engine_paths"]
+    assert [line.split()[0] for line in out.splitlines()] == ["client_view", "model", "route", "client_request", "internal_key", "tool_calling", "engine_config", "lifecycle", "backends", "bypass", "config", "auth", "local_proxy", "oauth", "choices", "kv_transfer", "long_prompt", "upstream", "nixl_lease_wait", "nixl_transport", "p2pnccl", "slowness", "engine_paths"]
 
 
 def test_folder_of_per_service_files(bundles):

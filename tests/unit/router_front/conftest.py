@@ -65,6 +65,9 @@ class FakeEngine:
         prompt = json.dumps(body.get("messages") if chat else body.get("prompt"))
         if "HOLD" in prompt:
             await self.release.wait()
+        if "REFUSE" in prompt:  # a value only the engine checks, refused in vLLM's shape
+            return web.json_response({"error": {"message": "seed must be below 2**63 (stand-in)", "type": "BadRequestError",
+                                                "param": "seed", "code": 400}}, status=400)
         n = min(body.get("max_tokens") or 8, len(WORDS))
         usage = {"prompt_tokens": len(prompt) // 4, "completion_tokens": n, "total_tokens": len(prompt) // 4 + n}
         finish = "length" if n < len(WORDS) else "stop"

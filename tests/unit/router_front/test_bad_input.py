@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from tests.unit.router_front.conftest import KEY, MODEL, auth, chat_body
+from tests.unit.doctor.helpers import diagnose
+from tests.unit.router_front.conftest import KEY, MODEL, auth, chat_body, wait_for_events
 from tests.unit.router_front.test_auth import APIS, error_of
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large"}
@@ -160,3 +161,47 @@ async def test_unknown_route_and_wrong_method_answer_in_shape(router) -> None:
     wrong = await router.get("/v1/messages", headers=auth())
     body = await wrong.json()
     assert wrong.status == 405 and body["type"] == "error"
+
+
+
+async def _diagnose_after(logs, client, tmp_path, sent: dict[str, str], *engine_logs) -> dict[str, Any]:
+    """Send each body (X-Request-ID client-<name>; each refused 400), then one good request, and diagnose the router's
+    lines with the engine's: the findings that are not ok, by id."""
+    for name, body in sent.items():
+        response = await client.post("/v1/chat/completions", data=body, headers={
+            **auth(), "Content-Type": "application/json", "X-Request-ID": f"client-{name}"})
+        assert response.status == 400, await response.text()
+    assert (await client.post("/v1/chat/completions", json=chat_body(), headers=auth())).status == 200
+    await wait_for_events(logs, "router.request_done", 1)
+    path = tmp_path / "router.log"
+    path.write_text(logs.getvalue())
+    findings, _ = diagnose(path, *engine_logs)
+    return {f.id: f for f in findings if f.severity != "ok"}
+
+
+async def test_the_doctor_names_what_the_client_sent_wrong(logs, make_router, real_engine, tmp_path) -> None:
+    """Bad bodies through the router to our engine are diagnosed as the client's request, by code and field, as a
+    warning (a request went through: the stack works), and nothing else is reported."""
+    router = await make_router(backend=real_engine)
+    found = await _diagnose_after(logs, router, tmp_path, {
+        "nan": '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}' % MODEL,
+        "type": json.dumps(chat_body(max_tokens="ten")),
+        "unknown": json.dumps(chat_body(frobnicate=1))}, real_engine.log_path)
+    assert set(found) == {"client_request.refused"}, found
+    refused = found["client_request.refused"]
+    assert refused.severity == "warning"
+    for kind in ("invalid_json ×1", "invalid_type (max_tokens) ×1", "unknown_parameter (frobnicate) ×1"):
+        assert kind in refused.title, refused.title
+    assert {"client-nan", "client-type", "client-unknown"} <= set(refused.request_ids)
+    assert "NaN" in refused.fix and "max_tokens, frobnicate" in refused.fix
+
+
+async def test_an_engines_refusal_is_told_apart_with_its_words(logs, router, tmp_path) -> None:
+    """A 400 only the engine made (the router's checks let the body through) is its own finding, with the engine's
+    body from router.upstream_error; not an unexplained failure, not the router's refusal."""
+    found = await _diagnose_after(logs, router, tmp_path, {
+        "engine": json.dumps(chat_body(messages=[{"role": "user", "content": "REFUSE"}]))})
+    engine = found["client_request.engine_refused"]
+    assert "client-engine" in engine.request_ids and "(seed) ×1" in engine.title
+    assert any("router.upstream_error" in e.line and "stand-in" in e.line for e in engine.evidence)
+    assert not {"client_request.refused", "request.unexplained"} & set(found)
