@@ -132,6 +132,11 @@ class Context:
         return sorted((r for name in names for r in self._by_event.get(name, ())), key=attrgetter("ts"))
 
     @property
+    def nothing_completed(self) -> bool:
+        """No request in the window went all the way: whatever failed, such a window is never a pass."""
+        return not any(t.complete for t in self.timelines.values())
+
+    @property
     def facts(self) -> stackfacts.StackFacts:
         """The real service/network/file names of the stack (live project, else the shipped compose.yaml)."""
         return stackfacts.from_docker(self.docker)

@@ -63,8 +63,8 @@ REGISTRY: tuple[Check, ...] = (
           "not Intel's", engine_paths.check),
 )
 # Findings that name a symptom, not a cause: for requests a specific finding explains, they step back.
-GENERIC = frozenset({"client_request.engine_refused", "choices.decode_failed", "choices.stream_without_done", "backend.decode_down",
-                     "backend.prefill_down", "auth.not_from_router"})
+GENERIC = frozenset({"client_request.engine_refused", "choices.decode_failed", "choices.stream_without_done",
+                     "backend.decode_down", "backend.prefill_down", "auth.not_from_router"})
 STALLED = "stalled"  # the id `--check` selects the stalled-request diagnosis by
 UNEXPLAINED = "unexplained"  # failed requests no diagnosis explained
 

@@ -72,9 +72,8 @@ def _finding(ctx: Context, fid: str, refused: list[Record], title: str, cause: s
     codes = list(dict.fromkeys(code for code, _ in kinds))
     fields = ", ".join(dict.fromkeys(str(p) for _, p in kinds if p)) or "see the message"
     fixes = list(dict.fromkeys(_FIX.get(code, _FIX_FIELD.format(fields=fields)) for code in codes))
+    shown = {r.request_id for r in refused[:2]}  # the engine's body for the first of them
+    evidence = refused[:3] + [r for r in ctx.by_event(events.ROUTER_UPSTREAM_ERROR) if r.request_id in shown]
     # nothing got through in the window: the client cannot work as it is, whoever is at fault
-    nothing_passed = not any(t.complete for t in ctx.timelines.values())
-    evidence = refused[:3] + [r for r in ctx.by_event(events.ROUTER_UPSTREAM_ERROR)
-                              if r.request_id in {x.request_id for x in refused[:2]}]
-    return finding(fid, "error" if nothing_passed else "warning", title.format(n=len(refused), kinds=named),
+    return finding(fid, "error" if ctx.nothing_completed else "warning", title.format(n=len(refused), kinds=named),
                    cause.format(first=refused[0].msg), "; ".join(fixes), evidence, [r.request_id for r in refused])

@@ -35,10 +35,8 @@ def check(ctx: Context, explained: set[str]) -> list[Finding]:
     # disagree: not the client's request)
     server_side = any((t.status or 500) >= 500 or (t.first(events.ROUTER_PREFILL_DONE) is not None
                                                   and t.first(*_ENGINE_FAILED) is not None) for t in failed)
-    # a window where no request went through is never a pass, whatever the statuses
-    nothing_passed = not any(t.complete for t in ctx.timelines.values())
     return [finding(
-        "request.unexplained", "error" if server_side or nothing_passed else "warning",
+        "request.unexplained", "error" if server_side or ctx.nothing_completed else "warning",
         f"{len(failed)} request(s) failed for a reason no diagnosis knows (status "
         + ", ".join(f"{s} ×{n}" for s, n in sorted(statuses.items())) + ")",
         "These requests did not complete, and none of the doctor's diagnoses recognised why; the evidence lines "

@@ -133,11 +133,10 @@ def error_answer(request: web.Request, exc: Exception, render: Renderer = lambda
         # Client mistakes and capacity (a full queue, no slot in time: 503 with Retry-After) are WARNING; only
         # faults of ours or of a backend (500, 502, 504) are ERROR.
         level = "WARNING" if exc.status < 500 or isinstance(exc, Overloaded) else "ERROR"
-        if exc.status < 500:  # the field a client got wrong, for the doctor to name (client_request)
-            log_event(events.HTTP_BAD_REQUEST, exc.message, level, status=exc.status, type=exc.type, code=exc.code,
-                      **({"param": exc.param} if exc.param else {}))
-        else:
-            log_event(events.HTTP_ERROR, exc.message, level, status=exc.status, type=exc.type, code=exc.code)
+        event = events.HTTP_BAD_REQUEST if exc.status < 500 else events.HTTP_ERROR
+        # `param`: the field the error names, for the doctor to count by (checks/client_request.py)
+        log_event(event, exc.message, level, status=exc.status, type=exc.type, code=exc.code,
+                  **({"param": exc.param} if exc.param else {}))
         return error_response(request, exc, render)
     if isinstance(exc, web.HTTPException):
         if exc.status < 400:

@@ -220,7 +220,7 @@ HTTP_ACCESS = Event("http.access", ANY, "one HTTP request answered (aiohttp's ac
 HTTP_BAD_REQUEST = Event("http.bad_request", ANY, "a 4xx answered to a client; param: the field it names",
                          required=(STATUS, ERROR_TYPE), optional=(CODE, PARAM), level="WARNING")
 HTTP_ERROR = Event("http.error", ANY, "a 5xx answered; an unhandled exception carries only exc (traceback in the log only)",
-                   optional=(STATUS, ERROR_TYPE, CODE, EXC), level="ERROR")
+                   optional=(STATUS, ERROR_TYPE, CODE, PARAM, EXC), level="ERROR")
 HTTP_BODY_TIMEOUT = Event("http.body_timeout", ANY, "a client announced a body and did not send it in time (408)",
                           required=(LIMIT_S,), level="WARNING")
 INTERNAL_AUTH_REJECTED = Event("internal_auth.rejected", ANY,
