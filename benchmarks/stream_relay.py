@@ -47,13 +47,14 @@ async def _serve(app: web.Application, port: int) -> web.AppRunner:
     return runner
 
 
-async def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
+async def gateways(tokens: int, pace_ms: float, mode: str, tmp: Path) -> tuple[dict[str, int], list[web.AppRunner]]:
+    """The fake backend and both gateways served on this loop: ({"floor": port, "router": port}, runners to clean up)."""
     setup_logging("router", sink=open("/dev/null", "w"))  # noqa: SIM115 - for the process's lifetime
     ports = _free_port(), _free_port()
-    backend = await _serve(_backend_app(args.tokens, args.pace_ms), ports[0])
+    backend = await _serve(_backend_app(tokens, pace_ms), ports[0])
     await web.TCPSite(backend, "127.0.0.1", ports[1]).start()
     prefill, decode = (f"http://127.0.0.1:{port}" for port in ports)
-    if args.mode == "plain":
+    if mode == "plain":
         prefill = decode  # as the harness runs plain: both roles on one backend, no prefill leg
     router_port, floor_port = _free_port(), _free_port()
     path = _settings(tmp, prefill, decode, router_port, _free_port())
@@ -61,31 +62,42 @@ async def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]
     runners = [backend, await _serve(create_app(router_config.load(path), env={"BENCH_ROUTER_KEY": KEY}), router_port)]
     runners.append(await _serve(floor_app({"taotoken": {"api_key_env": "BENCH_ROUTER_KEY"}, "prefill": {"endpoint": prefill},
                                            "decode": {"endpoint": decode}}), floor_port))
-    body = json.dumps({**_BODY, "max_tokens": args.tokens}).encode()
-    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    client = EngineHTTP()
+    return {"floor": floor_port, "router": router_port}, runners
 
-    async def stream(port: int) -> None:
-        answer = await client.post(f"http://127.0.0.1:{port}/v1/chat/completions", body, headers, _LEG)
+
+class Client:
+    """Sends one chat request to a gateway and reads its answer to the end (a stream: up to its `[DONE]`)."""
+
+    def __init__(self, tokens: int, stream: bool) -> None:
+        self.body = json.dumps({**_BODY, "max_tokens": tokens, "stream": stream}).encode()
+        self.headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        self.stream = stream
+        self.http = EngineHTTP()
+
+    async def send(self, port: int) -> None:
+        answer = await self.http.post(f"http://127.0.0.1:{port}/v1/chat/completions", self.body, self.headers, _LEG)
         assert answer.status == 200, await answer.read()
         received = b""
         while block := await answer.readany():
             received = block
-        assert received.endswith(b"data: [DONE]\n\n"), received[-200:]
+        assert received.endswith(b"data: [DONE]\n\n" if self.stream else b"}"), received[-200:]
         answer.release()
 
-    arms = {"floor": floor_port, "router": router_port}
+
+async def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
+    arms, runners = await gateways(args.tokens, args.pace_ms, args.mode, tmp)
+    client = Client(args.tokens, stream=True)
     for port in arms.values():  # warm up: connections, caches
         for _ in range(20):
-            await stream(port)
+            await client.send(port)
     cpu: dict[str, list[float]] = {name: [] for name in arms}
     for round_ in range(args.rounds):
         for name in (list(arms) if round_ % 2 == 0 else list(reversed(arms))):
             started = time.process_time()
             for _ in range(args.streams):
-                await stream(arms[name])
+                await client.send(arms[name])
             cpu[name].append((time.process_time() - started) / (args.streams * args.tokens) * 1e6)
-    await client.close()
+    await client.http.close()
     for runner in reversed(runners):
         await runner.cleanup()
     return cpu
