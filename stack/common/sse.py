@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import StreamReader, web
 
-from stack.common.json_text import make
+from stack.common import json_text
 
 
 DONE = "[DONE]"
@@ -39,17 +39,7 @@ async def open_stream(request: web.Request, headers: dict[str, str] | None = Non
     return response
 
 
-_COMPACT = make(ensure_ascii=False, compact=True, default=str)
-_ASCII = make(ensure_ascii=True, compact=True, default=str)
-
-
-def dumps(value: Any) -> bytes:
-    """Compact UTF-8 JSON; a lone surrogate (a client's \\ud800 echoed back) cannot be UTF-8, so that frame is
-    written with ASCII escapes instead of failing. (orjson measured no different here: docs/router-performance.md.)"""
-    try:
-        return _COMPACT(value).encode()
-    except UnicodeEncodeError:
-        return _ASCII(value).encode()
+dumps = json_text.compact  # a frame's data: compact UTF-8 JSON
 
 
 def frame(data: dict[str, Any] | str, event: str | None = None) -> bytes:
@@ -107,14 +97,17 @@ class FrameReader:
     async def batch(self) -> list[tuple[str | None, bytes]] | None:
         while not self._ended:
             block = await self._content.readany()
-            if not block:
-                self._ended = True
-                return self._last()
-            if batch := self._feed(block):
+            if batch := (self.feed(block) if block else self.end()):
                 return batch
         return None
 
-    def _feed(self, block: bytes) -> list[tuple[str | None, bytes]]:
+    @property
+    def idle(self) -> bool:
+        """Between frames: no partial line or frame is held, so the next network read starts a frame."""
+        return not self._pending and not self._data_lines and self._event is None
+
+    def feed(self, block: bytes) -> list[tuple[str | None, bytes]]:
+        """The frames a network read completed (maybe none), for a caller that reads the body itself."""
         data = self._pending + block if self._pending else block
         complete = data.rfind(b"\n") + 1  # b"\n" never occurs inside a UTF-8 sequence: the complete lines are whole text
         self._pending = data[complete:]
@@ -135,6 +128,10 @@ class FrameReader:
                 self._event = line[6:].decode().strip()
         return batch
 
-    def _last(self) -> list[tuple[str | None, bytes]] | None:
-        """The frame of a body that ended without its blank line, if any: its last line ended as a frame ends."""
-        return self._feed(b"\n\n") or None  # _feed puts the pending line first
+    def end(self) -> list[tuple[str | None, bytes]] | None:
+        """The body has ended: the frame of a body that ended without its blank line, if any (its last line ended as
+        a frame ends); None after that."""
+        if self._ended:
+            return None
+        self._ended = True
+        return self.feed(b"\n\n") or None  # feed puts the pending line first

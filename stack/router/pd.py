@@ -254,9 +254,14 @@ class DecodeStream:
     async def next(self) -> list[dict[str, Any] | bytes] | None:
         try:
             chunks, self._ready = self._ready, []
+            response, reader, whole = self.leg.response, self.leg.reader, self.passthrough and self.passthrough.whole
             while not chunks and not self._done and self._bad is None:
-                assert self.leg.reader is not None, "stream leg opened without a reader"
-                batch = await self.leg.reader.batch()
+                assert response is not None and reader is not None, "stream leg opened without a reader"
+                block = await response.readany()  # read here, not in reader.batch(): one coroutine less each chunk resumes
+                if whole is not None and reader.idle and (relayed := whole(block)) is not None:
+                    chunks.append(relayed)  # one token chunk, the whole read (relay.Passthrough.whole)
+                    break
+                batch = reader.feed(block) if block else reader.end()
                 if batch is None:
                     break
                 self._take([data for _event, data in batch], chunks)

@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from stack.common import events
+from stack.common import events, json_text
 from stack.common.errors import (
     CLIENT_REQUEST_ID_HEADER,
     REQUEST_ID_HEADER,
@@ -223,7 +223,7 @@ async def post_json(client: EngineHTTP, backend: Backend, path: str, body: bytes
         response = await client.post(backend.url + path, body, _headers(request_id), leg)
         if response.status >= 400:
             raise await response_failure(backend, response)
-        data = json.loads(await response.read())  # engines answer UTF-8 JSON; skips charset sniffing
+        data = json_text.loads(await response.read())  # engines answer UTF-8 JSON
     except LegFailed:
         raise
     except BaseException as exc:

@@ -25,7 +25,7 @@ from stack.common.errors import REQUEST_ID
 from stack.protocol.fields import Fields
 from stack.router.api.anthropic_request import parse_messages_request
 from stack.router.api.anthropic_response import EventRelay, anthropic_error_body, message_body
-from stack.router.api.common import capabilities, charge, engine_body, read_json, relay
+from stack.router.api.common import capabilities, charge, engine_body, json_answer, read_json, relay
 from stack.router.api.openai import CHAT_PATH
 from stack.router.appkeys import PD
 from stack.router.job import estimate_prompt_tokens
@@ -96,7 +96,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         return await relay(request, stream, events)
     result = await pd.complete(request[REQUEST_ID], "messages", CHAT_PATH, req, upstream, request.headers)
     charge(request, result.get("usage") or {})
-    return web.json_response(message_body(result, message_id, req.model, req.sampling.stop, clamped))
+    return json_answer(message_body(result, message_id, req.model, req.sampling.stop, clamped))
 
 
 async def count_tokens(request: web.Request) -> web.Response:

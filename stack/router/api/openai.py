@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from stack.common import events, json_text, sse
+from stack.common import events, sse
 from stack.common.errors import REQUEST_ID, APIError, InvalidRequest, openai_error_body
 from stack.common.logging import log_event
 from stack.protocol.capabilities import unsupported
@@ -32,7 +32,7 @@ from stack.protocol.fields import Fields
 from stack.protocol.parse import FIELDS, parse
 from stack.protocol.types import Request
 from stack.protocol.capabilities import VLLM_EXTRAS
-from stack.router.api.common import charge, engine_body, read_json, relay, vllm_extras
+from stack.router.api.common import charge, engine_body, json_answer, read_json, relay, vllm_extras
 from stack.router.appkeys import CONFIG, PD
 
 CHAT_PATH = "/v1/chat/completions"
@@ -104,7 +104,7 @@ async def _answer(request: web.Request, api: str, path: str, req: Request, upstr
     if not req.stream:
         result = await pd.complete(request[REQUEST_ID], api, path, req, upstream, request.headers)
         charge(request, result.get("usage"))
-        return web.json_response({**result, "model": req.model}, dumps=json_text.dumps)
+        return json_answer({**result, "model": req.model})
     # Ordinary token chunks come as the engine's bytes with the client's model id already in (relay.Passthrough).
     stream = await pd.open(request[REQUEST_ID], api, path, req, upstream, request.headers, raw_model=req.model)
     return await relay(request, stream, _ChunkRelay(req.model, req.include_usage))

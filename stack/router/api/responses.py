@@ -52,7 +52,7 @@ from stack.protocol.messages import CHAT_ROLES, text_content
 from stack.protocol.parse import parse
 from stack.protocol.tools import function_tools
 from stack.protocol.types import Request
-from stack.router.api.common import capabilities, charge, client_field, deltas, engine_body, read_json, relay
+from stack.router.api.common import capabilities, charge, client_field, deltas, engine_body, json_answer, read_json, relay
 from stack.router.api.openai import CHAT_PATH
 from stack.router.appkeys import PD
 
@@ -172,7 +172,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
         output.append(shape.call(call.get("id") or "", function.get("name") or "", function.get("arguments") or "", "completed"))
-    return web.json_response(shape.response(status, output, result.get("usage")))
+    return json_answer(shape.response(status, output, result.get("usage")))
 
 
 def _status(finish_reason: str | None) -> str:

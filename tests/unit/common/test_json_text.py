@@ -33,3 +33,32 @@ def test_default_and_refusal_are_json_dumps_own() -> None:
     assert json_text.make(default=str)({"at": ValueError("x")}) == json.dumps({"at": ValueError("x")}, default=str)
     with pytest.raises(TypeError, match="not JSON serializable"):
         json_text.dumps({"at": object()})
+
+
+@pytest.mark.parametrize("value", VALUES + [{"at": ValueError("x"), "tools": ["a", "b"], "e2e_ms": 12.34, "nested": {"": {}}}])
+def test_log_text_is_json_dumps_text(value) -> None:
+    """A log line's fields (json_text.text, msgspec's encoder and formatter) read as json.dumps writes them: the same
+    spacing, escapes and numbers; a lone surrogate (msgspec refuses it) and `default=str` objects included."""
+    assert json_text.text(value) == json.dumps(value, ensure_ascii=False, default=str)
+
+
+def test_log_text_writes_the_same_values_where_its_text_differs() -> None:
+    """Floats with an exponent are written msgspec's way: other text, the same number for any JSON reader."""
+    value = {"big": 1e16, "small": 1.5e-7, "huge": 1.7976931348623157e308}
+    assert json_text.text(value) == '{"big": 1e16, "small": 1.5e-7, "huge": 1.7976931348623157e308}'
+    assert json.loads(json_text.text(value)) == value
+
+
+@pytest.mark.parametrize("data", [json.dumps(value).encode() for value in VALUES] + [
+    b"NaN", b'{"logprob": -Infinity}', b"1e400", b'"\\ud800"', b"\xef\xbb\xbf{}", b'{"a": 1, "a": 2}', b"123456789012345678901234567890"])
+def test_engine_json_reads_as_json_loads_reads_it(data: bytes) -> None:
+    """An engine's answer or chunk (json_text.loads) gives what json.loads gives, what msgspec refuses included."""
+    result, expected = json_text.loads(data), json.loads(data)
+    assert result == expected or (result != result and expected != expected)  # NaN is not equal to itself
+
+
+@pytest.mark.parametrize("data", [b"", b"{", b'{"a": }', b"[1, 2"])
+def test_engine_json_that_does_not_parse_fails_as_json_loads_fails(data: bytes) -> None:
+    """What does not parse raises json.loads' ValueError (the leg's failure, upstream.exception_failure)."""
+    with pytest.raises(json.JSONDecodeError):
+        json_text.loads(data)

@@ -74,6 +74,68 @@ def test_passthrough_swaps_the_model_id_only_where_it_is_certain() -> None:
     assert Passthrough(None, "public-id").take(compact(chunk())) is None  # a first chunk without a model id
 
 
+def sse(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"
+
+
+def learnt(first: bytes = compact(chunk())) -> Passthrough:
+    """A Passthrough that has taken one token chunk (and so learnt its shape)."""
+    passthrough = Passthrough("engine/m", "public-id")
+    assert passthrough.take(first) is not None
+    return passthrough
+
+
+@pytest.mark.parametrize("text", ["there", "line\nnext\ttab", "é€ 中文", "back\\slash inside", ""])
+def test_a_read_shaped_as_the_last_token_chunk_is_taken_whole(text: str) -> None:
+    """One network read holding one frame that differs from the learnt token chunk only in its text (escapes and
+    UTF-8 included): that chunk with the client's model id, as `take` would have relayed it."""
+    for encode in (compact, lambda value: json.dumps(value).encode()):
+        passthrough = learnt(encode(chunk()))
+        data = encode(chunk(text))
+        assert passthrough.whole(sse(data)) == passthrough.take(data)
+        assert json.loads(passthrough.whole(sse(data))) == {**chunk(text), "model": "public-id"}
+
+
+@pytest.mark.parametrize("block", [
+    sse(compact(chunk('say "hi"'))),  # a quote in the text: where the text ends is the parser's to tell
+    sse(compact(chunk("ends with a backslash \\"))),  # its escape would otherwise look like the tail's quote
+    sse(compact(chunk("a"))) + sse(compact(chunk("b"))),  # two frames in one read
+    sse(compact(chunk("a")))[:-1],  # a frame cut short
+    b"data:" + compact(chunk("a")) + b"\n\n",  # other SSE spelling
+    sse(compact(chunk("a"))).replace(b"\n\n", b"\r\n\r\n"),
+    sse(compact(chunk("a", finish="stop"))),
+    sse(compact({**chunk("a"), "model": "other"})),
+    sse(compact(chunk("a")).replace(b'"a"', b'"\xff"')),  # not UTF-8: the reader fails the leg on it
+    sse(compact(chunk("a")).replace(b'"a"', b'"a\nb"')),  # a raw line break: not one frame
+    sse(compact(chunk("a", usage=None))),
+])
+def test_any_other_read_goes_to_the_reader(block: bytes) -> None:
+    """Whatever is not exactly one frame of the learnt shape is split by the reader and decided frame by frame."""
+    assert learnt().whole(block) is None
+
+
+def test_nothing_is_taken_whole_before_a_token_chunk_was_taken() -> None:
+    """The shape is learnt from a token chunk `take` relayed, whose text has no quote or backslash."""
+    passthrough = Passthrough("engine/m", "public-id")
+    assert passthrough.whole(sse(compact(chunk("a")))) is None
+    assert passthrough.take(compact(chunk('with "quotes"'))) is not None
+    assert passthrough.whole(sse(compact(chunk("a")))) is None
+    assert passthrough.take(compact(chunk("plain"))) is not None
+    assert passthrough.whole(sse(compact(chunk("a")))) is not None
+
+
+def test_a_captured_vllm_stream_is_taken_whole_once_its_shape_is_learnt() -> None:
+    """vLLM's own token chunks (captured) differ only in their text: after the first one taken, each later one, read
+    alone, is taken whole, as `take` would have relayed it."""
+    wire = vllm_capture("vllm_nixl_prefill")["decode_stream"]
+    frames = [block.removeprefix("data: ").encode() for block in wire.split("\n\n") if block.startswith("data: {")]
+    passthrough = Passthrough(json.loads(frames[0])["model"], "public-id")
+    tokens = frames[1:-2]  # after the first (parsed), before the finishing and usage chunks
+    assert passthrough.take(tokens[0]) is not None
+    assert [passthrough.whole(sse(frame)) for frame in tokens[1:]] == [passthrough.take(frame) for frame in tokens[1:]]
+    assert None not in [passthrough.whole(sse(frame)) for frame in tokens[1:]]
+
+
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}
 
 
@@ -91,6 +153,27 @@ async def test_a_pd_stream_yields_token_chunks_as_bytes_and_parses_the_rest(fake
     parsed = as_dicts(chunks)
     assert chunk_text(parsed) == "t0 t1 t2 t3 t4 t5 " and parsed[-1]["usage"]["completion_tokens"] == 6
     assert {c["model"] for c in parsed[1:5]} == {"public"}
+
+
+async def test_a_paced_stream_takes_its_token_chunks_whole(fake, pd, monkeypatch):
+    """An engine that writes each chunk on its own (as real engines do, token by token): after the first token
+    chunk, the relay takes the others whole, without a frame split, and the answer is the same."""
+    taken: list[bytes] = []
+    whole = Passthrough.whole
+
+    def counting(self: Passthrough, block: bytes) -> bytes | None:
+        data = whole(self, block)
+        if data is not None:
+            taken.append(data)
+        return data
+
+    monkeypatch.setattr(Passthrough, "whole", counting)
+    client = await pd([await fake("prefill")], [await fake("decode", tokens=8)])
+    chunks = [c async for batch in batches(client, "paced", "chat", "/v1/chat/completions", *typed({**CHAT, "max_tokens": 8}),
+                                            raw_model="public") for c in batch]
+    parsed = as_dicts(chunks)
+    assert chunk_text(parsed) == "t0 t1 t2 t3 t4 t5 t6 t7 " and parsed[-1]["usage"]["completion_tokens"] == 8
+    assert len(taken) >= 3 and all(json.loads(data)["model"] == "public" for data in taken)
 
 
 async def test_an_error_frame_after_bytes_chunks_fails_the_stream_after_them(fake, pd, logs):
