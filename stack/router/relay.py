@@ -113,6 +113,16 @@ _TEXT_KEYS = (b'"content":"', b'"content": "', b'"text":"', b'"text": "')
 _NOT_TEXT = re.compile(rb'["\r\n]|\\\Z')
 
 
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    """A token chunk's bytes around its text: as a network read holds them, and as relayed (the client's model id)."""
+
+    wire_head: bytes  # "data: " + the engine's bytes up to the text
+    wire_tail: bytes  # the bytes after the text + the frame's blank line
+    head: bytes  # the bytes up to the text, with the client's model id
+    tail: bytes  # the bytes after the text
+
+
 class Passthrough:
     """Ordinary token frames for a relay that writes the engine's chunks as they are, with the client's model id.
 
@@ -126,7 +136,7 @@ class Passthrough:
         value = dumps(engine_model) if isinstance(engine_model, str) else None
         self.old = (b'"model":' + value, b'"model": ' + value) if value is not None else ()  # compact, or json.dumps' spacing
         self.new = b'"model":' + dumps(model)
-        self.shape: tuple[bytes, bytes, bytes] | None = None  # the learnt frame: "data: " + head, tail + "\n\n", new head
+        self.shape: _Shape | None = None  # the last token chunk's, once one was taken
 
     def take(self, data: bytes) -> bytes | None:
         """The frame's data with the client's model id, or None: not a `token_frame`, or the swap is not certain (the
@@ -154,16 +164,16 @@ class Passthrough:
         head, tail = data[:start], data[end:]
         if data.find(b"\\", start, end) >= 0 or head.find(old) < 0 or data.count(key) != 1:
             return
-        self.shape = (b"data: " + head, tail + b"\n\n", head.replace(old, self.new))
+        self.shape = _Shape(b"data: " + head, tail + b"\n\n", head.replace(old, self.new), tail)
 
     def whole(self, block: bytes) -> bytes | None:
         """A network read that is exactly one frame of the learnt shape: its data with the client's model id. None for
         anything else (the reader splits and `take` decides). The text between may hold escapes but no quote, nor end
         in a backslash (`_NOT_TEXT`), and must be UTF-8."""
         shape = self.shape
-        if shape is None or not block.startswith(shape[0]) or not block.endswith(shape[1]):
+        if shape is None or not block.startswith(shape.wire_head) or not block.endswith(shape.wire_tail):
             return None
-        text = block[len(shape[0]):len(block) - len(shape[1])]
+        text = block[len(shape.wire_head):len(block) - len(shape.wire_tail)]
         if _NOT_TEXT.search(text):
             return None
         if not text.isascii():
@@ -171,7 +181,7 @@ class Passthrough:
                 text.decode()
             except UnicodeDecodeError:
                 return None  # the reader's split fails the leg on it
-        return shape[2] + text + shape[1][:-2]
+        return shape.head + text + shape.tail
 
 
 class Tally:
