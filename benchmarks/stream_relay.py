@@ -1,6 +1,7 @@
 """A streamed chunk's CPU through the router against the floor gateway, in one process.
 
     python -m benchmarks.stream_relay [--streams 200] [--tokens 64] [--pace-ms 0.5] [--rounds 6] [--mode pd|plain]
+                                      [--api chat|messages]
 
 The peers harness (benchmarks/router_peers.py) divides a stream's whole CPU by its chunks across two cores, and on a
 small VM its repeats move by a fifth. Here the fake backend of benchmarks.router paces `--tokens` chunks `--pace-ms`
@@ -12,8 +13,10 @@ loop as the client, which sends one streamed chat request at a time and reads it
           every log line)
 CPU comes from process_time and includes the backend's and the client's, the same in both arms, so `router - floor`
 per chunk is what the router's own layers cost a chunk (the request's own cost spread over its chunks included, as
-the harness counts it). Arms alternate round by round; the median of the rounds is printed with every round. Run it
-from two checkouts in turn to compare them. A measurement, not a test: it prints figures.
+the harness counts it). With `--api messages` the router relays each stream as Anthropic Messages events (the floor
+still as chat bytes): the difference is then what an Anthropic client's chunk costs the router. Arms alternate round
+by round; the median of the rounds is printed with every round. Run it from two checkouts in turn to compare them.
+A measurement, not a test: it prints figures.
 """
 
 from __future__ import annotations
@@ -65,39 +68,47 @@ async def gateways(tokens: int, pace_ms: float, mode: str, tmp: Path) -> tuple[d
     return {"floor": floor_port, "router": router_port}, runners
 
 
-class Client:
-    """Sends one chat request to a gateway and reads its answer to the end (a stream: up to its `[DONE]`)."""
+# What each API's stream ends with (a whole answer ends with its JSON's closing brace).
+_STREAM_END = {"chat": b"data: [DONE]\n\n", "messages": b'data: {"type":"message_stop"}\n\n'}
+_PATH = {"chat": "/v1/chat/completions", "messages": "/v1/messages"}
 
-    def __init__(self, tokens: int, stream: bool) -> None:
+
+class Client:
+    """Sends one chat (or Anthropic Messages: `api="messages"`, the router only) request to a gateway and reads its
+    answer to the end (a stream: up to its last event)."""
+
+    def __init__(self, tokens: int, stream: bool, api: str = "chat") -> None:
         self.body = json.dumps({**_BODY, "max_tokens": tokens, "stream": stream}).encode()
         self.headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-        self.stream = stream
+        self.stream, self.api = stream, api
         self.http = EngineHTTP()
 
     async def send(self, port: int) -> None:
-        answer = await self.http.post(f"http://127.0.0.1:{port}/v1/chat/completions", self.body, self.headers, _LEG)
+        answer = await self.http.post(f"http://127.0.0.1:{port}{_PATH[self.api]}", self.body, self.headers, _LEG)
         assert answer.status == 200, await answer.read()
         received = b""
         while block := await answer.readany():
             received = block
-        assert received.endswith(b"data: [DONE]\n\n" if self.stream else b"}"), received[-200:]
+        assert received.endswith(_STREAM_END[self.api] if self.stream else b"}"), received[-200:]
         answer.release()
 
 
 async def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
     arms, runners = await gateways(args.tokens, args.pace_ms, args.mode, tmp)
-    client = Client(args.tokens, stream=True)
-    for port in arms.values():  # warm up: connections, caches
+    # --api messages: the router is sent Anthropic Messages, the floor (which cannot translate) the same as chat.
+    clients = {"floor": Client(args.tokens, stream=True), "router": Client(args.tokens, stream=True, api=args.api)}
+    for name, port in arms.items():  # warm up: connections, caches
         for _ in range(20):
-            await client.send(port)
+            await clients[name].send(port)
     cpu: dict[str, list[float]] = {name: [] for name in arms}
     for round_ in range(args.rounds):
         for name in (list(arms) if round_ % 2 == 0 else list(reversed(arms))):
             started = time.process_time()
             for _ in range(args.streams):
-                await client.send(arms[name])
+                await clients[name].send(arms[name])
             cpu[name].append((time.process_time() - started) / (args.streams * args.tokens) * 1e6)
-    await client.http.close()
+    for client in clients.values():
+        await client.http.close()
     for runner in reversed(runners):
         await runner.cleanup()
     return cpu
@@ -110,12 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pace-ms", type=float, default=0.5, help="the backend's gap between chunks (0: one burst)")
     parser.add_argument("--rounds", type=int, default=6, help="rounds, the arms' order alternating")
     parser.add_argument("--mode", choices=("pd", "plain"), default="pd", help="pd: a prefill leg, then decode's stream")
+    parser.add_argument("--api", choices=("chat", "messages"), default="chat",
+                        help="messages: the router relays the stream as Anthropic Messages events (the floor as chat)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:  # the router's usage file
         cpu = uvloop.run(measure(args, Path(tmp)))
     floor, router = statistics.median(cpu["floor"]), statistics.median(cpu["router"])
-    print(f"{args.mode} streams of {args.tokens} chunks {args.pace_ms:g} ms apart: CPU µs a chunk (backend and client "
-          f"included), median of {args.rounds} rounds")
+    print(f"{args.mode} {args.api} streams of {args.tokens} chunks {args.pace_ms:g} ms apart: CPU µs a chunk (backend and "
+          f"client included), median of {args.rounds} rounds")
     for name in cpu:
         print(f"  {name:<6} {statistics.median(cpu[name]):6.1f}   rounds {' '.join(f'{x:.1f}' for x in cpu[name])}")
     print(f"  router - floor {router - floor:5.1f}   (the router's own layers a chunk, its request's share included)")

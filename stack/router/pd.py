@@ -1,7 +1,8 @@
 """The PD flow: pair, prefill leg, decode leg, relay.
 
     complete(): decode answers one JSON body          open(): a DecodeStream of decode's SSE chunks, read as lists of
-                                                      dicts (raw_model: ordinary token chunks as their bytes, relay.Passthrough)
+                                                      dicts (raw_model, text_frame: ordinary token chunks as the client's
+                                                      frames, undecoded, relay.Passthrough)
     _run, attempt n:   1. pairing.acquire_pair: a decode first, then a prefill running its model (pairing.py)
     _prefill:          2. POST P {max_tokens: 1, stream: false, the hand-off's kv_transfer_params}
                           (P failed: another P, same D; P could not hand its KV to D, or D has no room for it: a new pair)
@@ -37,7 +38,7 @@ from stack.router.handoff import Handed, handed
 from stack.router.job import NO_HEADERS, Job
 from stack.router.metrics import Metrics
 from stack.router.pairing import Pair, Pairing, Tried
-from stack.router.relay import Leg, Passthrough, Tally, answer_chunks, parse_chunk, report_cached
+from stack.router.relay import Leg, Passthrough, Tally, TextFrame, answer_chunks, parse_chunk, report_cached
 from stack.router.engine_http import Response
 from stack.router.upstream import LegFailed, exception_failure, leg_timeout, open_stream, post_json
 
@@ -79,13 +80,15 @@ class PDClient:
         return answer
 
     async def open(self, request_id: str, api: str, path: str, req: Request, body: dict[str, Any],
-                   headers: Mapping[str, str] = NO_HEADERS, raw_model: str | None = None) -> DecodeStream:
+                   headers: Mapping[str, str] = NO_HEADERS, raw_model: str | None = None,
+                   text_frame: TextFrame | None = None) -> DecodeStream:
         """Run a streamed request until decode's first chunk (or the prefill's finished answer): the stream the API
         relays (`DecodeStream`). A failure before it raises the client's error, as `complete` does. `headers`: the
         client's (session affinity). `raw_model`: for an API that forwards the engine's chunks as they are, an
-        ordinary token chunk comes as its JSON bytes, undecoded, with this model id in (relay.Passthrough)."""
+        ordinary token chunk comes as its SSE frame, undecoded, with this model id in. `text_frame`: for an API that
+        translates, such a chunk comes as the frame this makes of its text, when it can (relay.Passthrough)."""
         job, tried = self._job(request_id, api, path, req, body, headers, True)
-        return DecodeStream(self, job, tried, await self._run_within_deadline(job, tried), raw_model)
+        return DecodeStream(self, job, tried, await self._run_within_deadline(job, tried), raw_model, text_frame)
 
     async def _run_within_deadline(self, job: Job, tried: Tried) -> Leg:
         """_run under the request's deadline (deadlines.py): queue waits, legs and retries together never take longer.
@@ -232,17 +235,19 @@ class PDClient:
 class DecodeStream:
     """4. Relay: an open decode stream, read by the API's relay (api/common.relay) one network read at a time.
 
-    `await stream.next()` is the next non-empty list of chunks (dicts; with raw_model, ordinary token chunks as
-    bytes), or None once the stream ended complete; it always ends with a usage chunk. A failure raises the client's
-    APIError, after the good chunks before it were returned. `close()`, always: it closes an unfinished leg's
+    `await stream.next()` is the next non-empty list of chunks (dicts; with raw_model or text_frame, ordinary token
+    chunks as the client's frames, bytes), or None once the stream ended complete; it always ends with a usage chunk.
+    A failure raises the client's APIError, after the good chunks before it were returned. `close()`, always: it closes an unfinished leg's
     connection (the engine cancels and frees the KV) and frees the decode's slot. A coroutine the relay awaits, not an
     async generator it iterates: a streamed chunk passes through one frame here (docs/router-performance.md)."""
 
-    def __init__(self, client: PDClient, job: Job, tried: Tried, leg: Leg, raw_model: str | None) -> None:
+    def __init__(self, client: PDClient, job: Job, tried: Tried, leg: Leg, raw_model: str | None,
+                 text_frame: TextFrame | None) -> None:
         self.client, self.job, self.tried, self.leg = client, job, tried, leg
         self.tally = Tally(client.metrics, job.started)
         first = leg.first or {}
-        self.passthrough = Passthrough(first.get("model"), raw_model) if raw_model is not None else None
+        self.passthrough = Passthrough(first.get("model"), raw_model or "", text_frame) \
+            if raw_model is not None or text_frame is not None else None
         self._done = leg.answer is not None  # [DONE] seen (a finished answer needs none)
         self._over = leg.answer is not None  # ended complete or failed (or answered whole): nothing to say when closed
         self._bad: Exception | None = None  # a bad frame, raised once the good chunks before it are relayed

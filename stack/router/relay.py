@@ -6,9 +6,11 @@ The fast path: most frames of a stream are ordinary token chunks (choices, none 
 an API that answers in the engine's own format (OpenAI chat/completions) forwards them unchanged but for the model
 id. `Passthrough` tells such a frame by its bytes (`token_frame`, or a network read shaped as the last such frame)
 and swaps the model id in place, so it is relayed without being decoded and encoded again
-(`PDClient.open(raw_model=…)`). Every other frame (the first, the
-finishing one, the usage chunk, an error, anything unexpected) is parsed as before, so what is counted, charged,
-checked and logged is decided on parsed JSON as it always was; a token chunk needs no more than its count and time.
+(`PDClient.open(raw_model=…)`). An API that translates (Anthropic's text deltas) gets the token's text as the engine
+escaped it, a JSON string's inside that is one in its own frame too (`PDClient.open(text_frame=…)`). Every other frame
+(the first, the finishing one, the usage chunk, an error, anything unexpected) is parsed as before, so what is counted,
+charged, checked and logged is decided on parsed JSON as it always was; a token chunk needs no more than its count and
+time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,44 +118,54 @@ _NOT_TEXT = re.compile(rb'["\r\n]|\\\Z')
 
 @dataclass(frozen=True, slots=True)
 class _Shape:
-    """A token chunk's bytes around its text: as a network read holds them, and as relayed (the client's model id)."""
+    """A token chunk's frame around its text: as a network read holds it, and as relayed (the client's model id)."""
 
     wire_head: bytes  # "data: " + the engine's bytes up to the text
-    wire_tail: bytes  # the bytes after the text + the frame's blank line
-    head: bytes  # the bytes up to the text, with the client's model id
-    tail: bytes  # the bytes after the text
+    tail: bytes  # the bytes after the text + the frame's blank line, the same read and relayed
+    head: bytes  # "data: " + the bytes up to the text, with the client's model id
+
+
+TextFrame = Callable[[bytes], "bytes | None"]  # a token's JSON-escaped text → the client's frame for it, or None
 
 
 class Passthrough:
-    """Ordinary token frames for a relay that writes the engine's chunks as they are, with the client's model id.
+    """Ordinary token frames sent on without being decoded: as the engine wrote them but for the client's model id
+    (OpenAI chat/completions), or, given `text_frame`, as another API's frame for their text (Anthropic's text delta).
 
     `take` decides on a frame's data (`token_frame`). `whole` is quicker still, for the common case: a network read
     that is one `data:` frame shaped as the last token chunk taken, every byte the same but its text's. An engine's
     token chunks differ only there (same id, created, model, index, null finish_reason), so such a frame is an
-    ordinary token chunk too; it needs two comparisons and a search instead of a frame split and seven."""
+    ordinary token chunk too; it needs two comparisons and a search instead of a frame split and seven. Both give the
+    frame the client is sent, or None: the chunk is then parsed and translated as any other."""
 
-    def __init__(self, engine_model: Any, model: str) -> None:
-        """`engine_model`: the id the engine wrote in its first chunk (parsed); `model`: the one the client asked for."""
+    def __init__(self, engine_model: Any, model: str, text_frame: TextFrame | None = None) -> None:
+        """`engine_model`: the id the engine wrote in its first chunk (parsed); `model`: the one the client asked for.
+        `text_frame`: the frame for a token chunk's text (the escaped JSON string's inside, as the engine wrote it), or
+        None when the translator needs the parsed chunk; with it, `take` only learns the shape (its frames are parsed)."""
         value = dumps(engine_model) if isinstance(engine_model, str) else None
         self.old = (b'"model":' + value, b'"model": ' + value) if value is not None else ()  # compact, or json.dumps' spacing
         self.new = b'"model":' + dumps(model)
+        self.translated = text_frame is not None
+        self.text_frame: TextFrame = text_frame or self._chunk_frame
         self.shape: _Shape | None = None  # the last token chunk's, once one was taken
 
     def take(self, data: bytes) -> bytes | None:
-        """The frame's data with the client's model id, or None: not a `token_frame`, or the swap is not certain (the
-        id not written as in the first chunk, or `"model"` more than once), so the caller parses it."""
+        """The frame for this data with the client's model id, or None: not a `token_frame`, or the swap is not
+        certain (the id not written as in the first chunk, or `"model"` more than once), or a translated stream's
+        frame, so the caller parses it."""
         if not token_frame(data) or data.count(b'"model"') != 1:
             return None
         for old in self.old:
             if data.find(old) >= 0:  # not `in`: see token_frame
                 if self.shape is None:
                     self._learn(data, old)
-                return data.replace(old, self.new)
+                return None if self.translated else b"data: " + data.replace(old, self.new) + b"\n\n"
         return None
 
     def _learn(self, data: bytes, old: bytes) -> None:
         """Keep a token chunk's shape: the bytes before its text (the model id among them) and after it. Only from a
-        text without a quote or backslash, so that the text's end is the first quote after its start."""
+        text without a quote or backslash, so that the text's end is the first quote after its start; for a translated
+        stream, only from a chunk that carries nothing else (no tool call)."""
         for key in _TEXT_KEYS:
             at = data.find(key)
             if at >= 0:
@@ -164,16 +177,18 @@ class Passthrough:
         head, tail = data[:start], data[end:]
         if data.find(b"\\", start, end) >= 0 or head.find(old) < 0 or data.count(key) != 1:
             return
-        self.shape = _Shape(b"data: " + head, tail + b"\n\n", head.replace(old, self.new), tail)
+        if self.translated and data.find(b'"tool_calls"') >= 0:
+            return  # a translated frame says the text only: a chunk that also calls a tool is parsed
+        self.shape = _Shape(b"data: " + head, tail + b"\n\n", b"data: " + head.replace(old, self.new))
 
     def whole(self, block: bytes) -> bytes | None:
-        """A network read that is exactly one frame of the learnt shape: its data with the client's model id. None for
+        """A network read that is exactly one frame of the learnt shape: the client's frame for its text. None for
         anything else (the reader splits and `take` decides). The text between may hold escapes but no quote, nor end
         in a backslash (`_NOT_TEXT`), and must be UTF-8."""
         shape = self.shape
-        if shape is None or not block.startswith(shape.wire_head) or not block.endswith(shape.wire_tail):
+        if shape is None or not block.startswith(shape.wire_head) or not block.endswith(shape.tail):
             return None
-        text = block[len(shape.wire_head):len(block) - len(shape.wire_tail)]
+        text = block[len(shape.wire_head):len(block) - len(shape.tail)]
         if _NOT_TEXT.search(text):
             return None
         if not text.isascii():
@@ -181,6 +196,11 @@ class Passthrough:
                 text.decode()
             except UnicodeDecodeError:
                 return None  # the reader's split fails the leg on it
+        return self.text_frame(text)
+
+    def _chunk_frame(self, text: bytes) -> bytes:
+        shape = self.shape
+        assert shape is not None, "a frame before the shape was learnt"
         return shape.head + text + shape.tail
 
 

@@ -83,7 +83,8 @@ async def messages(request: web.Request) -> web.StreamResponse:
         count = asyncio.ensure_future(_tokenize(request, upstream) if counted is None else _known(counted))
         events = EventRelay(message_id, req.model, req.sampling.stop, clamped)
         try:
-            stream = await pd.open(request[REQUEST_ID], "messages", CHAT_PATH, req, upstream, request.headers)
+            stream = await pd.open(request[REQUEST_ID], "messages", CHAT_PATH, req, upstream, request.headers,
+                                   text_frame=events.text_frame)  # a token's text delta made from its bytes
             try:  # message_start carries the count: it is needed before the first chunk is relayed
                 answer = await count
             except BaseException:

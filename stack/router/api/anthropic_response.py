@@ -101,6 +101,11 @@ def _event(data: dict[str, Any]) -> bytes:
     return sse.frame(data, event=data["type"])
 
 
+def _text_delta_head(index: int) -> bytes:
+    """A text delta's frame up to its text, as `_event` writes it (the text follows, then `"}}` and the blank line)."""
+    return b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,"delta":{"type":"text_delta","text":"' % index
+
+
 class EventRelay:
     """Chat chunks → Anthropic stream events: a text block, then a tool_use block per tool call (in their order)."""
 
@@ -115,6 +120,7 @@ class EventRelay:
         self.usage: dict[str, Any] = {}
         self.held = ""  # text not sent yet: it may be the stop string the engine included (cut_stop)
         self.hold = max((len(stop) for stop in stops), default=0)
+        self.text_head = b""  # the open text block's delta frame up to its text (text_frame)
 
     def _start(self) -> list[bytes]:
         self.started = True
@@ -132,8 +138,17 @@ class EventRelay:
         frames = self._close()
         self.index += 1
         self.open = block["type"]
+        self.text_head = _text_delta_head(self.index) if self.open == "text" else b""
         frames.append(_event({"type": "content_block_start", "index": self.index, "content_block": block}))
         return frames + ([_event({"type": "ping"})] if self.index == 0 else [])  # where Anthropic's own streams ping
+
+    def text_frame(self, text: bytes) -> bytes | None:
+        """The text delta for a token's text as the engine escaped it (the inside of a JSON string, so the inside of
+        this frame's too), made without decoding the chunk (relay.Passthrough), when it is all the token needs: the
+        text block is open and no stop string is held back. None: the chunk is parsed and goes through `chunk`."""
+        if self.open != "text" or self.hold:
+            return None
+        return self.text_head + text + b'"}}\n\n'
 
     def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
         frames = [] if self.started else self._start()

@@ -111,10 +111,10 @@ def deltas(chunk: dict[str, Any]) -> Iterator[tuple[dict[str, Any], dict[str, An
 
 
 class Translator(Protocol):
-    """Turns the engine's chat/completion chunks into one API's SSE frames. A chunk is bytes (an ordinary token
-    chunk's JSON as the engine sent it) only for a translator whose stream asked for them (PDClient.open(raw_model=…))."""
+    """Turns the engine's chat/completion chunks (parsed) into one API's SSE frames. An ordinary token chunk that
+    PDClient.open(raw_model=…, or text_frame=…) made into its frame already is sent by the relay as it is."""
 
-    def chunk(self, chunk: Any) -> list[bytes]: ...
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]: ...
 
     def end(self) -> list[bytes]: ...  # the API's terminal frames after the last chunk
 
@@ -138,15 +138,16 @@ async def relay(request: web.Request, stream: DecodeStream, translator: Translat
                 while batch is not None:
                     frames: list[bytes] = []
                     for chunk in batch:
-                        if isinstance(chunk, bytes):  # a token chunk (relay.token_frame): no usage in it
+                        if isinstance(chunk, bytes):  # a token chunk's frame, ready (relay.Passthrough): no usage in it
                             relayed += 1
-                        else:
-                            if chunk.get("usage"):
-                                charge(request, chunk["usage"])
-                            relayed += bool(chunk.get("choices"))
+                            frames.append(chunk)
+                            continue
+                        if chunk.get("usage"):
+                            charge(request, chunk["usage"])
+                        relayed += bool(chunk.get("choices"))
                         frames += translator.chunk(chunk)
                     if frames:
-                        await out.write(b"".join(frames))
+                        await out.write(frames[0] if len(frames) == 1 else b"".join(frames))
                     batch = await stream.next()
                 tail = translator.end()
             except APIError as err:

@@ -105,22 +105,20 @@ async def _answer(request: web.Request, api: str, path: str, req: Request, upstr
         result = await pd.complete(request[REQUEST_ID], api, path, req, upstream, request.headers)
         charge(request, result.get("usage"))
         return json_answer({**result, "model": req.model})
-    # Ordinary token chunks come as the engine's bytes with the client's model id already in (relay.Passthrough).
+    # Ordinary token chunks come as their frames, the engine's bytes with the client's model id in (relay.Passthrough).
     stream = await pd.open(request[REQUEST_ID], api, path, req, upstream, request.headers, raw_model=req.model)
     return await relay(request, stream, _ChunkRelay(req.model, req.include_usage))
 
 
 class _ChunkRelay:
-    """OpenAI chunks pass through with the public model id; usage only if asked; errors in-band. A token chunk that
-    comes as bytes (PDClient.open(raw_model=…)) is framed as it is."""
+    """OpenAI chunks pass through with the public model id; usage only if asked; errors in-band. (Ordinary token
+    chunks come as their frames, PDClient.open(raw_model=…), and the relay sends them as they are.)"""
 
     def __init__(self, model: str, include_usage: bool) -> None:
         self.model = model
         self.include_usage = include_usage
 
-    def chunk(self, chunk: dict[str, Any] | bytes) -> list[bytes]:
-        if isinstance(chunk, bytes):
-            return [b"data: " + chunk + b"\n\n"]
+    def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
         if not chunk.get("choices"):
             if not self.include_usage:
                 return []

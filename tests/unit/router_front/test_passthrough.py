@@ -68,3 +68,82 @@ async def test_an_in_band_error_after_passed_through_tokens_ends_in_the_openai_e
     assert (done["status"], done["error"], done["completion_tokens"]) == (200, "upstream_error", 2)
     upstream = await wait_for_events(logs, "router.upstream_error", 1)
     assert "decode step failed (stand-in)" in upstream[0]["body"] and upstream[0]["status"] == 500
+
+
+async def _messages_events(router, content: str, **extra) -> list[tuple[str | None, dict]]:
+    body = {"model": MODEL, "max_tokens": 6, "stream": True, "messages": [{"role": "user", "content": content}], **extra}
+    response = await router.post("/v1/messages", json=body, headers=auth())
+    assert response.status == 200
+    return [(event, json.loads(data)) async for event, data in sse.read_events(response.content)]
+
+
+async def test_anthropic_text_deltas_made_from_the_engine_bytes_are_the_parsed_ones(router, engine, logs, monkeypatch) -> None:
+    """A paced stream (each chunk its own read): after the chunk that opened the text block, each token's text delta
+    is made from the engine's bytes (EventRelay.text_frame), and the events are those of the stream with every chunk
+    parsed: the same texts, block, stop reason and usage, and the same charge."""
+    from stack.router.api.anthropic_response import EventRelay
+
+    made: list[bytes] = []
+    text_frame = EventRelay.text_frame
+
+    def counting(self: EventRelay, text: bytes) -> bytes | None:
+        frame = text_frame(self, text)
+        made.extend([frame] if frame is not None else [])
+        return frame
+
+    monkeypatch.setattr(EventRelay, "text_frame", counting)
+    fast = await _messages_events(router, "SLOW hello")
+    assert len(made) >= 3  # the first token chunk and the one that taught the shape are parsed, so is the finishing one
+    monkeypatch.setattr(EventRelay, "text_frame", lambda self, text: None)  # every chunk parsed and translated
+    parsed = await _messages_events(router, "SLOW hello")
+    assert [event for event, _ in fast] == [event for event, _ in parsed]
+    without_ids = [[{k: v for k, v in data.get("message", data).items() if k != "id"} for _, data in events] for events in (fast, parsed)]
+    assert without_ids[0] == without_ids[1]
+    deltas = [data["delta"]["text"] for event, data in fast if event == "content_block_delta"]
+    assert "".join(deltas) == "Hello from the fake engine." and len(deltas) == 6
+    assert fast[-2][1]["delta"]["stop_reason"] == "max_tokens" and fast[-1][0] == "message_stop"
+    done = await wait_for_events(logs, "router.request_done", 2)
+    assert [(line["status"], line["completion_tokens"], line["error"]) for line in done] == [(200, 6, None)] * 2
+
+
+async def test_anthropic_text_is_held_back_for_stop_sequences_without_the_byte_path(router, engine, monkeypatch) -> None:
+    """With stop_sequences the relay holds back what may be the stop string, so every chunk is parsed: no delta is
+    made from bytes, and the text is whole."""
+    from stack.router.api.anthropic_response import EventRelay
+
+    asked: list[bytes | None] = []
+    text_frame = EventRelay.text_frame
+
+    def recording(self: EventRelay, text: bytes) -> bytes | None:
+        asked.append(text_frame(self, text))
+        return asked[-1]
+
+    monkeypatch.setattr(EventRelay, "text_frame", recording)
+    events = await _messages_events(router, "SLOW hello", stop_sequences=["zzz"])
+    assert "".join(data["delta"]["text"] for event, data in events if event == "content_block_delta") == "Hello from the fake engine."
+    assert asked and asked == [None] * len(asked)  # reads of the token shape came, and each was left to the parser
+
+
+@pytest.mark.parametrize("text", ["plain", "tab\tnew\nline", "é€ 中文", "\u001f", "back\\slash", "say \"hi\""])
+def test_a_text_delta_made_from_bytes_reads_as_the_translated_one(text: str) -> None:
+    """EventRelay.text_frame on the engine's escaped text (either encoder's escapes) is a frame whose event and data
+    equal what the relay writes for the parsed chunk; before the text block opens it leaves the chunk to `chunk`."""
+    from stack.router.api.anthropic_response import EventRelay
+
+    relay = EventRelay("msg_1", MODEL, (), False)
+    assert relay.text_frame(b"x") is None  # no block open yet: the parsed chunk opens it
+    relay.chunk({"choices": [{"index": 0, "delta": {"content": "first"}, "finish_reason": None}]})
+    expected = relay.chunk({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]})
+    for escaped in (json.dumps(text).encode()[1:-1], sse.dumps(text)[1:-1]):
+        frame = relay.text_frame(escaped)
+        assert frame is not None and frame.endswith(b"\n\n")
+        (event, data), = [(e, json.loads(d)) for e, d in _frames(frame)]
+        assert [(event, data)] == [(e, json.loads(d)) for e, d in _frames(b"".join(expected))]
+
+
+def _frames(raw: bytes) -> list[tuple[str, str]]:
+    frames = []
+    for block in raw.decode().split("\n\n")[:-1]:
+        event, data = block.split("\n")
+        frames.append((event.removeprefix("event: "), data.removeprefix("data: ")))
+    return frames

@@ -23,6 +23,12 @@ def compact(value) -> bytes:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def data_of(frame: bytes) -> bytes:
+    """A relayed frame's data: what Passthrough gives is the SSE frame the client is sent."""
+    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n"), frame
+    return frame[len(b"data: "):-2]
+
+
 @pytest.mark.parametrize("data", [
     compact(chunk()),
     json.dumps(chunk()).encode(),  # json.dumps' spacing
@@ -59,15 +65,15 @@ def test_a_captured_vllm_stream_passes_through_but_for_its_finish_and_usage() ->
     take = Passthrough(json.loads(frames[0])["model"], "public-id").take
     relayed = [take(frame) for frame in frames]
     assert [data is not None for data in relayed] == [True] * (len(frames) - 2) + [False, False]
-    assert [json.loads(data) for data in relayed[:-2]] == [{**json.loads(frame), "model": "public-id"} for frame in frames[:-2]]
+    assert [json.loads(data_of(data)) for data in relayed[:-2]] == [{**json.loads(frame), "model": "public-id"} for frame in frames[:-2]]
 
 
 def test_passthrough_swaps_the_model_id_only_where_it_is_certain() -> None:
     """The engine's id (learnt from the first chunk) becomes the client's, in either spacing; a frame naming another
     id, or with "model" twice, is left to the parser."""
     take = Passthrough("engine/m", "public-id").take
-    assert json.loads(take(compact(chunk()))) == {**chunk(), "model": "public-id"}
-    assert json.loads(take(json.dumps(chunk()).encode())) == {**chunk(), "model": "public-id"}
+    assert json.loads(data_of(take(compact(chunk())))) == {**chunk(), "model": "public-id"}
+    assert json.loads(data_of(take(json.dumps(chunk()).encode()))) == {**chunk(), "model": "public-id"}
     assert take(compact({**chunk(), "model": "other"})) is None
     assert take(compact(chunk("model"))) is None
     assert take(compact(chunk(finish="length"))) is None
@@ -93,7 +99,7 @@ def test_a_read_shaped_as_the_last_token_chunk_is_taken_whole(text: str) -> None
         passthrough = learnt(encode(chunk()))
         data = encode(chunk(text))
         assert passthrough.whole(sse(data)) == passthrough.take(data)
-        assert json.loads(passthrough.whole(sse(data))) == {**chunk(text), "model": "public-id"}
+        assert json.loads(data_of(passthrough.whole(sse(data)))) == {**chunk(text), "model": "public-id"}
 
 
 @pytest.mark.parametrize("block", [
@@ -140,7 +146,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_t
 
 
 def as_dicts(chunks: list) -> list[dict]:
-    return [json.loads(c) if isinstance(c, bytes) else c for c in chunks]
+    return [json.loads(data_of(c)) if isinstance(c, bytes) else c for c in chunks]
 
 
 async def test_a_pd_stream_yields_token_chunks_as_bytes_and_parses_the_rest(fake, pd):
@@ -173,7 +179,7 @@ async def test_a_paced_stream_takes_its_token_chunks_whole(fake, pd, monkeypatch
                                             raw_model="public") for c in batch]
     parsed = as_dicts(chunks)
     assert chunk_text(parsed) == "t0 t1 t2 t3 t4 t5 t6 t7 " and parsed[-1]["usage"]["completion_tokens"] == 8
-    assert len(taken) >= 3 and all(json.loads(data)["model"] == "public" for data in taken)
+    assert len(taken) >= 3 and all(json.loads(data_of(data))["model"] == "public" for data in taken)
 
 
 async def test_an_error_frame_after_bytes_chunks_fails_the_stream_after_them(fake, pd, logs):
@@ -186,3 +192,21 @@ async def test_an_error_frame_after_bytes_chunks_fails_the_stream_after_them(fak
             got += batch
     assert [type(c).__name__ for c in got] == ["dict", "bytes", "bytes"] and chunk_text(as_dicts(got)) == "t0 t1 t2 "
     assert logs.events("router.decode_failed")[-1]["mid_stream"] is True
+
+
+def test_a_translated_stream_learns_from_take_and_makes_its_frames_from_the_text() -> None:
+    """Given text_frame (Anthropic's deltas), `take` relays nothing (its frames are parsed and translated) but learns
+    the shape; a read of that shape is then the frame text_frame makes of the text as the engine escaped it."""
+    passthrough = Passthrough("engine/m", "", text_frame=lambda text: b"<" + text + b">")
+    assert passthrough.take(compact(chunk("plain"))) is None
+    assert passthrough.whole(sse(compact(chunk("tab\tand é")))) == b"<" + compact("tab\tand é")[1:-1] + b">"
+    assert passthrough.whole(sse(compact(chunk('a "quote"')))) is None
+
+
+def test_a_translated_stream_does_not_learn_from_a_chunk_that_also_calls_a_tool() -> None:
+    """Its frame would say the text only: a token chunk with a tool call teaches no shape, and reads stay parsed."""
+    passthrough = Passthrough("engine/m", "", text_frame=lambda text: text)
+    calling = chunk("x")
+    calling["choices"][0]["delta"]["tool_calls"] = [{"index": 0, "function": {"arguments": "{}"}}]
+    assert passthrough.take(compact(calling)) is None
+    assert passthrough.whole(sse(compact(calling))) is None and passthrough.shape is None
