@@ -15,12 +15,12 @@ the prefill leg (the router's estimate only if no engine answers).
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from typing import Any
 
 from aiohttp import web
 
+from stack.common import json_text
 from stack.common.errors import REQUEST_ID
 from stack.protocol.fields import Fields
 from stack.router.api.anthropic_request import parse_messages_request
@@ -42,7 +42,8 @@ async def _fit_context(request: web.Request, upstream: dict[str, Any]) -> tuple[
     wanted = upstream.get("max_tokens")
     if not window or not isinstance(wanted, int):
         return False, None
-    size = len(json.dumps([upstream["messages"], upstream.get("tools")], ensure_ascii=False).encode())
+    # The prompt's UTF-8 JSON size, by msgspec's encoder: an agent's 30 kB of messages and tools took json.dumps ~0.2 ms.
+    size = len(json_text.compact([upstream["messages"], upstream.get("tools")]))
     if wanted * 4 < window and size * 2 + wanted < window:
         return False, None  # a small answer after a prompt far from the window (the chat template's text included)
     answer = await _tokenize(request, upstream)
