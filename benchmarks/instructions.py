@@ -1,6 +1,6 @@
 """The router's own instructions a request, counted by callgrind: a figure no other load on the machine moves.
 
-    python -m benchmarks.instructions [--mode pd|plain] [--api chat|messages] [--tokens 64] [--stream] [--requests 50] [--repeats 2] [--keep DIR]
+    python -m benchmarks.instructions [--mode pd|plain] [--api chat|messages|responses] [--tokens 64] [--stream] [--requests 50] [--repeats 2] [--keep DIR]
 
 On a small VM a timing of the router moves by a fifth from repeat to repeat (docs/router-performance.md), so a change
 that saves a few per cent cannot be told from noise by the clock. Valgrind's callgrind counts the instructions a
@@ -13,8 +13,9 @@ start-up (imports, the app's set-up, a first request's caches) is not counted. T
   floor   benchmarks/floor_router.py: aiohttp's server, the legs' client, the body relayed as bytes
   router  the router app itself (create_app: the key, limits, usage in SQLite, the contract, the PD flow, the relay,
           every log line)
-  messages  with `--api messages`: the router again, the same requests sent as Anthropic Messages (`messages - router`
-          is the translation's own count: the legs to the engines are the same chat requests)
+  messages, responses  with `--api messages` (or `responses`): the router again, the same requests sent as Anthropic
+          Messages (or Responses): `messages - router` is the translation's own count, the legs to the engines being
+          the same chat requests
 All include the backend's and the client's instructions, the same in each, so `router - floor` is what our layers
 execute a request. A streamed request's chunks come `--pace-ms` apart (each its own network read, as an engine's
 tokens are: under callgrind the process runs ~50x slower, hence a wide default gap).
@@ -61,8 +62,9 @@ async def _run(args: argparse.Namespace, tmp: Path) -> None:
     """One arm under callgrind: a warm-up of 10 requests, then `--requests` counted ones."""
     measure = _helper(tmp)
     arms, runners = await gateways(args.tokens, args.pace_ms if args.stream else 0, args.mode, tmp)
-    client = Client(args.tokens, stream=args.stream, api="messages" if args.run == "messages" else "chat")
-    port = arms["router" if args.run == "messages" else args.run]
+    translated = args.run not in arms  # messages, responses: the router serving that API
+    client = Client(args.tokens, stream=args.stream, api=args.run if translated else "chat")
+    port = arms["router" if translated else args.run]
     for _ in range(10):
         await client.send(port)
     measure.measure_start()
@@ -98,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=50, help="requests counted in each run")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each arm, alternating (their spread is printed)")
     parser.add_argument("--keep", type=Path, help="keep the callgrind files here")
-    parser.add_argument("--api", choices=("chat", "messages"), default="chat",
-                        help="messages: also the router serving the same requests as Anthropic Messages")
-    parser.add_argument("--run", choices=("floor", "router", "messages"), help=argparse.SUPPRESS)  # the process under callgrind
+    parser.add_argument("--api", choices=("chat", "messages", "responses"), default="chat",
+                        help="messages, responses: also the router serving the same requests as that API")
+    parser.add_argument("--run", choices=("floor", "router", "messages", "responses"), help=argparse.SUPPRESS)  # the process under callgrind
     args = parser.parse_args(argv)
     if args.run:
         with tempfile.TemporaryDirectory() as tmp:  # the helper, the router's usage file
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{tool} is not installed (apt-get install {tool})")
     kind = f"streams of {args.tokens} chunks" if args.stream else f"whole answers of {args.tokens} tokens"
     print(f"{args.mode} {kind}: instructions a request (backend and client included), {args.requests} requests a run")
-    arms = ("floor", "router", "messages") if args.api == "messages" else ("floor", "router")
+    arms = ("floor", "router") + ((args.api,) if args.api != "chat" else ())
     per_request: dict[str, list[float]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.keep or Path(tmp)
@@ -123,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     for arm, counts in per_request.items():
         print(f"  {arm:<6} {statistics.median(counts) / 1e3:10.1f} k   runs {' '.join(f'{c / 1e3:.1f}' for c in counts)}")
     median = {arm: statistics.median(counts) for arm, counts in per_request.items()}
-    differences = [("router", "floor")] + ([("messages", "router")] if args.api == "messages" else [])
-    for arm, base in differences:  # messages - router: the Anthropic translation's own (the same chat legs in both)
+    differences = [("router", "floor")] + ([(args.api, "router")] if args.api != "chat" else [])
+    for arm, base in differences:  # messages - router: the translation's own (the same chat legs in both)
         own = median[arm] - median[base]
         print(f"  {arm} - {base} {own / 1e3:8.1f} k" + (f"   ({own / args.tokens / 1e3:.2f} k a chunk)" if args.stream else ""))
     return 0

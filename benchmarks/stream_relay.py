@@ -1,7 +1,7 @@
 """A streamed chunk's CPU through the router against the floor gateway, in one process.
 
     python -m benchmarks.stream_relay [--streams 200] [--tokens 64] [--pace-ms 0.5] [--rounds 6] [--mode pd|plain]
-                                      [--api chat|messages]
+                                      [--api chat|messages|responses]
 
 The peers harness (benchmarks/router_peers.py) divides a stream's whole CPU by its chunks across two cores, and on a
 small VM its repeats move by a fifth. Here the fake backend of benchmarks.router paces `--tokens` chunks `--pace-ms`
@@ -13,8 +13,9 @@ loop as the client, which sends one streamed chat request at a time and reads it
           every log line)
 CPU comes from process_time and includes the backend's and the client's, the same in both arms, so `router - floor`
 per chunk is what the router's own layers cost a chunk (the request's own cost spread over its chunks included, as
-the harness counts it). With `--api messages` the router relays each stream as Anthropic Messages events (the floor
-still as chat bytes): the difference is then what an Anthropic client's chunk costs the router. Arms alternate round
+the harness counts it). With `--api messages` (or `responses`) the router relays each stream as Anthropic Messages
+(or Responses) events, the floor still as chat bytes: the difference is then what such a client's chunk costs the
+router. Arms alternate round
 by round; the median of the rounds is printed with every round. Run it from two checkouts in turn to compare them.
 A measurement, not a test: it prints figures.
 """
@@ -68,17 +69,24 @@ async def gateways(tokens: int, pace_ms: float, mode: str, tmp: Path) -> tuple[d
     return {"floor": floor_port, "router": router_port}, runners
 
 
-# What each API's stream ends with (a whole answer ends with its JSON's closing brace).
-_STREAM_END = {"chat": b"data: [DONE]\n\n", "messages": b'data: {"type":"message_stop"}\n\n'}
-_PATH = {"chat": "/v1/chat/completions", "messages": "/v1/messages"}
+# Each API's path, and its stream's last event (the last read holds it whole).
+_PATH = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
+_LAST = {"chat": b"data: [DONE]\n\n", "messages": b"event: message_stop\n",
+         "responses": b"event: response.incomplete\n"}  # the answer stops at max_output_tokens
+
+
+def _body(api: str, tokens: int, stream: bool) -> dict:
+    if api == "responses":
+        return {"model": MODEL, "input": _BODY["messages"][0]["content"], "max_output_tokens": tokens, "stream": stream}
+    return {**_BODY, "max_tokens": tokens, "stream": stream}  # chat, and Anthropic Messages (the same fields)
 
 
 class Client:
-    """Sends one chat (or Anthropic Messages: `api="messages"`, the router only) request to a gateway and reads its
+    """Sends one chat (or `api="messages"` / `"responses"`, the router only) request to a gateway and reads its
     answer to the end (a stream: up to its last event)."""
 
     def __init__(self, tokens: int, stream: bool, api: str = "chat") -> None:
-        self.body = json.dumps({**_BODY, "max_tokens": tokens, "stream": stream}).encode()
+        self.body = json.dumps(_body(api, tokens, stream)).encode()
         self.headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
         self.stream, self.api = stream, api
         self.http = EngineHTTP()
@@ -89,13 +97,14 @@ class Client:
         received = b""
         while block := await answer.readany():
             received = block
-        assert received.endswith(_STREAM_END[self.api] if self.stream else b"}"), received[-200:]
+        ended = received.find(_LAST[self.api]) >= 0 and received.endswith(b"\n\n") if self.stream else received.endswith(b"}")
+        assert ended, received[-200:]
         answer.release()
 
 
 async def measure(args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
     arms, runners = await gateways(args.tokens, args.pace_ms, args.mode, tmp)
-    # --api messages: the router is sent Anthropic Messages, the floor (which cannot translate) the same as chat.
+    # --api messages|responses: the router is sent that API, the floor (which cannot translate) the same as chat.
     clients = {"floor": Client(args.tokens, stream=True), "router": Client(args.tokens, stream=True, api=args.api)}
     for name, port in arms.items():  # warm up: connections, caches
         for _ in range(20):
@@ -121,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pace-ms", type=float, default=0.5, help="the backend's gap between chunks (0: one burst)")
     parser.add_argument("--rounds", type=int, default=6, help="rounds, the arms' order alternating")
     parser.add_argument("--mode", choices=("pd", "plain"), default="pd", help="pd: a prefill leg, then decode's stream")
-    parser.add_argument("--api", choices=("chat", "messages"), default="chat",
-                        help="messages: the router relays the stream as Anthropic Messages events (the floor as chat)")
+    parser.add_argument("--api", choices=("chat", "messages", "responses"), default="chat",
+                        help="messages, responses: the router relays the stream as that API's events (the floor as chat)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:  # the router's usage file
         cpu = uvloop.run(measure(args, Path(tmp)))

@@ -6,11 +6,11 @@ The fast path: most frames of a stream are ordinary token chunks (choices, none 
 an API that answers in the engine's own format (OpenAI chat/completions) forwards them unchanged but for the model
 id. `Passthrough` tells such a frame by its bytes (`token_frame`, or a network read shaped as the last such frame)
 and swaps the model id in place, so it is relayed without being decoded and encoded again
-(`PDClient.open(raw_model=…)`). An API that translates (Anthropic's text deltas) gets the token's text as the engine
-escaped it, a JSON string's inside that is one in its own frame too (`PDClient.open(text_frame=…)`). Every other frame
-(the first, the finishing one, the usage chunk, an error, anything unexpected) is parsed as before, so what is counted,
-charged, checked and logged is decided on parsed JSON as it always was; a token chunk needs no more than its count and
-time.
+(`PDClient.open(raw_model=…)`). An API that translates (Anthropic's and Responses' text deltas) gets the token's
+text as the engine escaped it, a JSON string's inside that is one in its own frame too (`PDClient.open(text_frame=…)`).
+Every other frame (the first, the finishing one, the usage chunk, an error, anything unexpected) is parsed as before,
+so what is counted, charged, checked and logged is decided on parsed JSON as it always was; a token chunk needs no
+more than its count and time.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ TextFrame = Callable[[bytes], "bytes | None"]  # a token's JSON-escaped text →
 
 class Passthrough:
     """Ordinary token frames sent on without being decoded: as the engine wrote them but for the client's model id
-    (OpenAI chat/completions), or, given `text_frame`, as another API's frame for their text (Anthropic's text delta).
+    (OpenAI chat/completions), or, given `text_frame`, as another API's frame for their text (a text delta).
 
     `take` decides on a frame's data (`token_frame`). `whole` is quicker still, for the common case: a network read
     that is one `data:` frame shaped as the last token chunk taken, every byte the same but its text's. An engine's

@@ -44,7 +44,7 @@ from typing import Any
 
 from aiohttp import web
 
-from stack.common import sse
+from stack.common import json_text, sse
 from stack.common.errors import REQUEST_ID, APIError, InvalidRequest
 from stack.protocol.capabilities import Capabilities, unsupported
 from stack.protocol.fields import Fields
@@ -154,16 +154,18 @@ async def responses(request: web.Request) -> web.StreamResponse:
     req = _parse(body, capabilities(request))
     upstream = engine_body(request, req, "responses", names=_NAMES)
     shape = _Shape(req, body)
+    events = _EventRelay(shape)
     pd = request.app[PD]
     try:  # an engine's refusal of a field names the one this client sent (max_output_tokens past the window)
         if req.stream:
-            stream = await pd.open(request[REQUEST_ID], "responses", CHAT_PATH, req, upstream, request.headers)
+            stream = await pd.open(request[REQUEST_ID], "responses", CHAT_PATH, req, upstream, request.headers,
+                                   text_frame=events.text_frame)  # a token's text delta made from its bytes
         else:
             result = await pd.complete(request[REQUEST_ID], "responses", CHAT_PATH, req, upstream, request.headers)
     except InvalidRequest as err:
         raise client_field(err, _NAMES) from None
     if req.stream:
-        return await relay(request, stream, _EventRelay(shape))
+        return await relay(request, stream, events)
     charge(request, result.get("usage"))
     choice = (result.get("choices") or [{}])[0]
     message = choice.get("message") or {}
@@ -236,6 +238,7 @@ class _EventRelay:
         self.calls: dict[int, dict[str, Any]] = {}  # chat tool call index -> its open/finished state
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
+        self.delta_head = b""  # the open message's text delta frame up to its text (text_frame)
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -255,6 +258,9 @@ class _EventRelay:
         frames = self._close()
         item = self.shape.item(None, "in_progress")
         self.open = {"kind": "message", "item": item, "text": [], "index": len(self.output)}
+        # A text delta's frame up to its text, as _event writes it, with a place for its sequence number (text_frame).
+        self.delta_head = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":%d,'
+                           b'"item_id":' + sse.dumps(item["id"]).replace(b"%", b"%%") + b',"output_index":%d,"content_index":0,"delta":"')
         return [*frames, self._event("response.output_item.added", output_index=self.open["index"], item=item),
                 self._event("response.content_part.added", **self._where(), content_index=0, part=self.shape.part(""))]
 
@@ -280,6 +286,22 @@ class _EventRelay:
             frames = [self._event("response.function_call_arguments.done", **where, name=item["name"], arguments=arguments)]
         self.output.append(item)
         return [*frames, self._event("response.output_item.done", output_index=where["output_index"], item=item)]
+
+    def text_frame(self, text: bytes) -> bytes | None:
+        """The text delta for a token's text as the engine escaped it (the inside of a JSON string, so the inside of
+        this frame's too), made without decoding the chunk (relay.Passthrough), when the message item is open; the text
+        is kept, decoded, for the item's `done` events. None: the chunk is parsed and goes through `chunk` (as one whose
+        escapes do not decode, whose error the parse then reports)."""
+        state = self.open
+        if state is None or state["kind"] != "message":
+            return None
+        try:
+            state["text"].append(json_text.decode(b'"' + text + b'"'))
+        except json_text.DecodeError:
+            return None
+        frame = self.delta_head % (self.sequence, state["index"]) + text + b'","logprobs":[]}\n\n'
+        self.sequence += 1
+        return frame
 
     def chunk(self, chunk: dict[str, Any]) -> list[bytes]:
         frames = [] if self.started else self._start()

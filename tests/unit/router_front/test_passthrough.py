@@ -70,38 +70,60 @@ async def test_an_in_band_error_after_passed_through_tokens_ends_in_the_openai_e
     assert "decode step failed (stand-in)" in upstream[0]["body"] and upstream[0]["status"] == 500
 
 
-async def _messages_events(router, content: str, **extra) -> list[tuple[str | None, dict]]:
-    body = {"model": MODEL, "max_tokens": 6, "stream": True, "messages": [{"role": "user", "content": content}], **extra}
-    response = await router.post("/v1/messages", json=body, headers=auth())
+async def _stream_events(router, path: str, body: dict) -> list[tuple[str | None, dict]]:
+    response = await router.post(path, json={**body, "stream": True}, headers=auth())
     assert response.status == 200
     return [(event, json.loads(data)) async for event, data in sse.read_events(response.content)]
 
 
-async def test_anthropic_text_deltas_made_from_the_engine_bytes_are_the_parsed_ones(router, engine, logs, monkeypatch) -> None:
-    """A paced stream (each chunk its own read): after the chunk that opened the text block, each token's text delta
-    is made from the engine's bytes (EventRelay.text_frame), and the events are those of the stream with every chunk
-    parsed: the same texts, block, stop reason and usage, and the same charge."""
+async def _messages_events(router, content: str, **extra) -> list[tuple[str | None, dict]]:
+    body = {"model": MODEL, "max_tokens": 6, "messages": [{"role": "user", "content": content}], **extra}
+    return await _stream_events(router, "/v1/messages", body)
+
+
+def _without_ids(value):
+    """An event's data without what differs from one stream to the next (ids, creation time)."""
+    if isinstance(value, dict):
+        return {k: _without_ids(v) for k, v in value.items() if k not in ("id", "item_id", "created_at")}
+    return [_without_ids(v) for v in value] if isinstance(value, list) else value
+
+
+def _relays():
     from stack.router.api.anthropic_response import EventRelay
+    from stack.router.api.responses import _EventRelay
 
+    return {"/v1/messages": EventRelay, "/v1/responses": _EventRelay}
+
+
+@pytest.mark.parametrize("path, body, delta", [
+    ("/v1/messages", {"model": MODEL, "max_tokens": 6, "messages": [{"role": "user", "content": "SLOW hello"}]},
+     lambda data: data["delta"]["text"]),
+    ("/v1/responses", {"model": MODEL, "max_output_tokens": 6, "input": "SLOW hello"}, lambda data: data["delta"]),
+])
+async def test_text_deltas_made_from_the_engine_bytes_are_the_parsed_ones(router, engine, logs, monkeypatch, path, body,
+                                                                          delta) -> None:
+    """A paced stream (each chunk its own read), translated (Anthropic Messages, Responses): after the chunk that opened
+    the text, each token's text delta is made from the engine's bytes (the relay's text_frame), and the events are
+    those of the stream with every chunk parsed: the same texts, sequence, stop reason, final text and usage, and the
+    same charge."""
+    relay = _relays()[path]
     made: list[bytes] = []
-    text_frame = EventRelay.text_frame
+    text_frame = relay.text_frame
 
-    def counting(self: EventRelay, text: bytes) -> bytes | None:
+    def counting(self, text: bytes) -> bytes | None:
         frame = text_frame(self, text)
         made.extend([frame] if frame is not None else [])
         return frame
 
-    monkeypatch.setattr(EventRelay, "text_frame", counting)
-    fast = await _messages_events(router, "SLOW hello")
+    monkeypatch.setattr(relay, "text_frame", counting)
+    fast = await _stream_events(router, path, body)
     assert len(made) >= 3  # the first token chunk and the one that taught the shape are parsed, so is the finishing one
-    monkeypatch.setattr(EventRelay, "text_frame", lambda self, text: None)  # every chunk parsed and translated
-    parsed = await _messages_events(router, "SLOW hello")
+    monkeypatch.setattr(relay, "text_frame", lambda self, text: None)  # every chunk parsed and translated
+    parsed = await _stream_events(router, path, body)
     assert [event for event, _ in fast] == [event for event, _ in parsed]
-    without_ids = [[{k: v for k, v in data.get("message", data).items() if k != "id"} for _, data in events] for events in (fast, parsed)]
-    assert without_ids[0] == without_ids[1]
-    deltas = [data["delta"]["text"] for event, data in fast if event == "content_block_delta"]
+    assert [_without_ids(data) for _, data in fast] == [_without_ids(data) for _, data in parsed]
+    deltas = [delta(data) for event, data in fast if event in ("content_block_delta", "response.output_text.delta")]
     assert "".join(deltas) == "Hello from the fake engine." and len(deltas) == 6
-    assert fast[-2][1]["delta"]["stop_reason"] == "max_tokens" and fast[-1][0] == "message_stop"
     done = await wait_for_events(logs, "router.request_done", 2)
     assert [(line["status"], line["completion_tokens"], line["error"]) for line in done] == [(200, 6, None)] * 2
 
@@ -124,21 +146,44 @@ async def test_anthropic_text_is_held_back_for_stop_sequences_without_the_byte_p
     assert asked and asked == [None] * len(asked)  # reads of the token shape came, and each was left to the parser
 
 
-@pytest.mark.parametrize("text", ["plain", "tab\tnew\nline", "é€ 中文", "\u001f", "back\\slash", "say \"hi\""])
-def test_a_text_delta_made_from_bytes_reads_as_the_translated_one(text: str) -> None:
-    """EventRelay.text_frame on the engine's escaped text (either encoder's escapes) is a frame whose event and data
-    equal what the relay writes for the parsed chunk; before the text block opens it leaves the chunk to `chunk`."""
+def _make_relays():
+    """Each translating relay's factory; one Responses shape for all, so that their ids are the same."""
+    from stack.protocol.parse import parse
     from stack.router.api.anthropic_response import EventRelay
+    from stack.router.api.responses import _EventRelay, _Shape
 
-    relay = EventRelay("msg_1", MODEL, (), False)
-    assert relay.text_frame(b"x") is None  # no block open yet: the parsed chunk opens it
-    relay.chunk({"choices": [{"index": 0, "delta": {"content": "first"}, "finish_reason": None}]})
-    expected = relay.chunk({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]})
+    shape = _Shape(parse("chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}), {})
+    return {"messages": lambda: EventRelay("msg_1", MODEL, (), False), "responses": lambda: _EventRelay(shape)}
+
+
+def _parsed(frames: list[bytes]) -> list[tuple[str, dict]]:
+    return [(event, json.loads(data)) for event, data in _frames(b"".join(frames))]
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+@pytest.mark.parametrize("text", ["plain", "tab\tnew\nline", "é€ 中文", "\u001f", "back\\slash", "say \"hi\""])
+def test_a_text_delta_made_from_bytes_reads_as_the_translated_one(api: str, text: str) -> None:
+    """A relay's text_frame on the engine's escaped text (either encoder's escapes) is a frame whose event and data
+    equal what the relay writes for the parsed chunk, and the stream ends alike (Responses' final text included);
+    before the text opens it leaves the chunk to `chunk`."""
+    make = _make_relays()[api]
+    assert make().text_frame(b"x") is None  # nothing open yet: the parsed chunk opens the text
+    first = {"choices": [{"index": 0, "delta": {"content": "first"}, "finish_reason": None}]}
     for escaped in (json.dumps(text).encode()[1:-1], sse.dumps(text)[1:-1]):
-        frame = relay.text_frame(escaped)
-        assert frame is not None and frame.endswith(b"\n\n")
-        (event, data), = [(e, json.loads(d)) for e, d in _frames(frame)]
-        assert [(event, data)] == [(e, json.loads(d)) for e, d in _frames(b"".join(expected))]
+        parsed, fast = make(), make()
+        parsed.chunk(first), fast.chunk(first)
+        expected = parsed.chunk({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]})
+        frame = fast.text_frame(escaped)
+        assert frame is not None and _parsed([frame]) == _parsed(expected)
+        assert _parsed(fast.end()) == _parsed(parsed.end())
+
+
+def test_a_responses_text_whose_escapes_do_not_decode_is_left_to_the_parser() -> None:
+    """Responses keeps each delta's text for its `done` events: text that is no JSON string's inside gives no frame
+    (the parser then reports the engine's bad chunk)."""
+    relay = _make_relays()["responses"]()
+    relay.chunk({"choices": [{"index": 0, "delta": {"content": "first"}, "finish_reason": None}]})
+    assert relay.text_frame(b"bad \\q escape") is None and relay.text_frame(b"good") is not None
 
 
 def _frames(raw: bytes) -> list[tuple[str, str]]:
