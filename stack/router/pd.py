@@ -237,9 +237,10 @@ class DecodeStream:
 
     `await stream.next()` is the next non-empty list of chunks (dicts; with raw_model or text_frame, ordinary token
     chunks as the client's frames, bytes), or None once the stream ended complete; it always ends with a usage chunk.
-    A failure raises the client's APIError, after the good chunks before it were returned. `close()`, always: it closes an unfinished leg's
-    connection (the engine cancels and frees the KV) and frees the decode's slot. A coroutine the relay awaits, not an
-    async generator it iterates: a streamed chunk passes through one frame here (docs/router-performance.md)."""
+    A failure raises the client's APIError, after the good chunks before it were returned. `close()`, always: it
+    closes an unfinished leg's connection (the engine cancels and frees the KV) and frees the decode's slot. A
+    coroutine the relay awaits, not an async generator it iterates: a streamed chunk passes through one frame here
+    (docs/router-performance.md)."""
 
     def __init__(self, client: PDClient, job: Job, tried: Tried, leg: Leg, raw_model: str | None,
                  text_frame: TextFrame | None) -> None:

@@ -145,8 +145,7 @@ class Passthrough:
         value = dumps(engine_model) if isinstance(engine_model, str) else None
         self.old = (b'"model":' + value, b'"model": ' + value) if value is not None else ()  # compact, or json.dumps' spacing
         self.new = b'"model":' + dumps(model)
-        self.translated = text_frame is not None
-        self.text_frame: TextFrame = text_frame or self._chunk_frame
+        self.text_frame = text_frame
         self.shape: _Shape | None = None  # the last token chunk's, once one was taken
 
     def take(self, data: bytes) -> bytes | None:
@@ -159,7 +158,7 @@ class Passthrough:
             if data.find(old) >= 0:  # not `in`: see token_frame
                 if self.shape is None:
                     self._learn(data, old)
-                return None if self.translated else b"data: " + data.replace(old, self.new) + b"\n\n"
+                return None if self.text_frame is not None else b"data: " + data.replace(old, self.new) + b"\n\n"
         return None
 
     def _learn(self, data: bytes, old: bytes) -> None:
@@ -177,7 +176,7 @@ class Passthrough:
         head, tail = data[:start], data[end:]
         if data.find(b"\\", start, end) >= 0 or head.find(old) < 0 or data.count(key) != 1:
             return
-        if self.translated and data.find(b'"tool_calls"') >= 0:
+        if self.text_frame is not None and data.find(b'"tool_calls"') >= 0:
             return  # a translated frame says the text only: a chunk that also calls a tool is parsed
         self.shape = _Shape(b"data: " + head, tail + b"\n\n", b"data: " + head.replace(old, self.new))
 
@@ -196,12 +195,8 @@ class Passthrough:
                 text.decode()
             except UnicodeDecodeError:
                 return None  # the reader's split fails the leg on it
-        return self.text_frame(text)
-
-    def _chunk_frame(self, text: bytes) -> bytes:
-        shape = self.shape
-        assert shape is not None, "a frame before the shape was learnt"
-        return shape.head + text + shape.tail
+        text_frame = self.text_frame
+        return shape.head + text + shape.tail if text_frame is None else text_frame(text)
 
 
 class Tally:
