@@ -15,9 +15,8 @@ CPU comes from process_time and includes the backend's and the client's, the sam
 per chunk is what the router's own layers cost a chunk (the request's own cost spread over its chunks included, as
 the harness counts it). With `--api messages` (or `responses`) the router relays each stream as Anthropic Messages
 (or Responses) events, the floor still as chat bytes: the difference is then what such a client's chunk costs the
-router. Arms alternate round
-by round; the median of the rounds is printed with every round. Run it from two checkouts in turn to compare them.
-A measurement, not a test: it prints figures.
+router. Arms alternate round by round; the median of the rounds is printed with every round. Run it from two
+checkouts in turn to compare them. A measurement, not a test: it prints figures.
 """
 
 from __future__ import annotations

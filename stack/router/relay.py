@@ -152,6 +152,8 @@ class Passthrough:
         """The frame for this data with the client's model id, or None: not a `token_frame`, or the swap is not
         certain (the id not written as in the first chunk, or `"model"` more than once), or a translated stream's
         frame, so the caller parses it."""
+        if self.text_frame is not None and self.shape is not None:
+            return None  # a translated stream's frames are all parsed: once the shape is learnt, nothing to look for
         if not token_frame(data) or data.count(b'"model"') != 1:
             return None
         for old in self.old:
