@@ -27,7 +27,7 @@ from stack.common.errors import (
     APIError, PayloadTooLarge, RequestTimeout, UnsupportedMediaType, echo_request_ids, enter_request, error_answer,
     openai_error_body,
 )
-from stack.common.logging import SUMMARY_LOGGED, leave_context, log_event
+from stack.common.logging import SUMMARY_LOGGED, leave_context, log_event, ms
 from stack.router.api import anthropic, openai, responses, tokens
 from stack.router.appkeys import CALLER, CONFIG, INTERNAL_KEY, KEYRING, LIMITER, METRICS, PD, REGISTRY, STREAM_ERROR, TOKENS, USAGE
 from stack.router.auth import Caller, KeyRing
@@ -154,7 +154,7 @@ async def _request_done(request: web.Request, api: str, caller: Caller, slot: st
     failed = status >= 400 or STREAM_ERROR in request
     log_event(events.ROUTER_REQUEST_DONE, f"{api} request done: {status}", "WARNING" if failed else "INFO",
               api=api, key_name=caller.name, status=status, error=request.get(STREAM_ERROR),
-              prompt_tokens=prompt, completion_tokens=completion, e2e_ms=round(e2e * 1000, 2))
+              prompt_tokens=prompt, completion_tokens=completion, e2e_ms=ms(e2e))
     request[SUMMARY_LOGGED] = True  # this line says what the access line would
 
 

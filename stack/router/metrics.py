@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from stack.common.config import ConfigError
-from stack.common.metrics import CONTENT_TYPE, Collector, Counter, GaugeSample, Histogram, render_gauges
+from stack.common.metrics import CONTENT_TYPE, Collector, Counter, CounterSeries, GaugeSample, Histogram, HistogramSeries, render_gauges
 
 __all__ = ["CONTENT_TYPE", "ITL_BUCKETS", "LATENCY_BUCKETS", "SLO", "Counter", "GaugeSample", "Histogram", "Metrics"]
 
@@ -40,10 +40,12 @@ ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 # Metrics, so the metrics module depends on none of them (read-only properties: any class with those fields fits).
 
 class BackendRef(Protocol):
-    """A backend (stack.router.backends.Backend), named by its URL."""
+    """A backend (stack.router.backends.Backend), named by its URL, and its role."""
 
     @property
     def url(self) -> str: ...
+    @property
+    def role(self) -> str: ...
 
 
 class KeyLimits(Protocol):
@@ -126,6 +128,11 @@ class Metrics:
         self.prompt_tokens = Counter("pd_router_prompt_tokens_total", "Prompt tokens by the backend that computed the prompt (engine usage).")
         self.cached_tokens = Counter("pd_router_cached_prompt_tokens_total",
                                      "Prompt tokens the backend served from its prefix cache (usage.prompt_tokens_details.cached_tokens).")
+        # The series each request touches, by their labels' values: a lookup, not the labels sorted (stack.common.metrics).
+        self._by_request: dict[tuple[str, int], tuple[CounterSeries, HistogramSeries]] = {}
+        self._by_leg: dict[tuple[str, str, str], CounterSeries] = {}
+        self._by_prompt_backend: dict[str, tuple[CounterSeries, CounterSeries]] = {}
+        self._by_mode: dict[str, HistogramSeries] = {}
         self._collectors: list[Collector] = [self._slo_gauges]
         self._gauge_help: dict[str, str] = {
             "pd_router_slo_ttft_seconds": "The TTFT SLO goodput is counted against (PD_SLO_TTFT_MS).",
@@ -134,8 +141,25 @@ class Metrics:
 
     def observe_request(self, api: str, status: int, e2e_seconds: float) -> None:
         """Called by the API layer once per client request."""
-        self.requests.inc(api=api, status=str(status))
-        self.e2e.observe(e2e_seconds, api=api)
+        series = self._by_request.get((api, status))
+        if series is None:
+            series = self._by_request[(api, status)] = (self.requests.labels(api=api, status=str(status)), self.e2e.labels(api=api))
+        series[0].value += 1
+        series[1].observe(e2e_seconds)
+
+    def observe_leg(self, backend: BackendRef, outcome: str) -> None:
+        """An upstream leg's outcome: ok, error (retryable) or rejected."""
+        series = self._by_leg.get((backend.url, backend.role, outcome))
+        if series is None:
+            series = self._by_leg[(backend.url, backend.role, outcome)] = \
+                self.backend_requests.labels(backend=backend.url, role=backend.role, outcome=outcome)
+        series.value += 1
+
+    def observe_ttft(self, ttft_seconds: float, mode: str) -> None:
+        series = self._by_mode.get(mode)
+        if series is None:
+            series = self._by_mode[mode] = self.ttft.labels(mode=mode)
+        series.observe(ttft_seconds)
 
     def observe_stream(self, ttft_seconds: float, decode_seconds: float, chunks: int) -> None:
         """Called once per completed streamed request: its TPOT and whether it met both SLOs."""
@@ -151,8 +175,12 @@ class Metrics:
             return
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        self.prompt_tokens.inc(usage["prompt_tokens"], backend=backend.url)
-        self.cached_tokens.inc(cached if isinstance(cached, int) and not isinstance(cached, bool) else 0, backend=backend.url)
+        series = self._by_prompt_backend.get(backend.url)
+        if series is None:
+            series = self._by_prompt_backend[backend.url] = (self.prompt_tokens.labels(backend=backend.url),
+                                                             self.cached_tokens.labels(backend=backend.url))
+        series[0].value += usage["prompt_tokens"]
+        series[1].value += cached if isinstance(cached, int) and not isinstance(cached, bool) else 0
 
     def add_gauges(self, help_: dict[str, str], collector: Callable[[], Iterable[GaugeSample]]) -> None:
         """Register gauges computed at scrape time (name → help, and a function yielding samples)."""

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from stack.common import events
-from stack.common.logging import log_event
+from stack.common.logging import log_event, ms
 from stack.router.affinity import Affinity, request_affinity
 from stack.router.backends import Backend
 from stack.router.handoff import Handoff, Route
@@ -97,7 +97,7 @@ class Pairing:
         log_event(events.ROUTER_SCHEDULED, f"{job.api} request for {job.req.model}: {where}", request_id=job.request_id,
                   api=job.api, model=job.req.model, stream=job.stream, prefill=(prefill or decode).url, decode=decode.url,
                   policy=self.settings.policy, mode=self.mode, attempt=tried.attempt, prefill_attempt=tried.prefill_try,
-                  queue_ms=round((time.perf_counter() - job.started) * 1000, 2))
+                  queue_ms=ms(time.perf_counter() - job.started))
         return Pair(decode, prefill, route, tried.attempt, tried.prefill_try)
 
     async def _acquire(self, role: str, tokens: int, exclude: set[Backend], tried: Tried) -> Backend:
@@ -149,10 +149,10 @@ class Pairing:
     def outcome(self, backend: Backend, failure: LegFailed | None = None) -> None:
         """A leg's result in the backend's breaker and /metrics; an unreachable backend is marked down at once."""
         if failure is None:
-            self.metrics.backend_requests.inc(backend=backend.url, role=backend.role, outcome="ok")
+            self.metrics.observe_leg(backend, "ok")
             backend.breaker.on_success()
             return
-        self.metrics.backend_requests.inc(backend=backend.url, role=backend.role, outcome="error" if failure.retryable else "rejected")
+        self.metrics.observe_leg(backend, "error" if failure.retryable else "rejected")
         if not failure.retryable:
             backend.breaker.on_success()  # the engine answered properly; the request itself was bad
             return

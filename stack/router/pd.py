@@ -29,10 +29,10 @@ from typing import Any
 
 from stack.common import events
 from stack.common.errors import UpstreamError, UpstreamTimeout
-from stack.common.logging import log_event
+from stack.common.logging import log_event, ms
 from stack.common.sse import DONE_DATA, FrameReader
 from stack.protocol.types import Request
-from stack.router.deadlines import budgets
+from stack.router.deadlines import budgets, within
 from stack.router.fleet import Fleet
 from stack.router.handoff import Handed, handed
 from stack.router.job import NO_HEADERS, Job
@@ -95,7 +95,7 @@ class PDClient:
         Giving up cancels the leg in flight, which closes its connection."""
         deadline_s = job.budgets.deadline_s
         try:
-            async with asyncio.timeout(deadline_s):
+            with within(deadline_s):
                 return await self._run(job, tried)
         except BaseException as exc:
             decode = tried.held
@@ -166,7 +166,7 @@ class PDClient:
             return result
         # One line for the leg and the hand-off it starts (the line a request costs is CPU: docs/router-performance.md).
         log_event(events.ROUTER_PREFILL_DONE, f"prefill done in {elapsed * 1000:.1f} ms; handing KV to decode {pair.decode.url}",
-                  request_id=job.request_id, prefill=prefill.url, prefill_ms=round(elapsed * 1000, 2), transfer_id=route.transfer_id,
+                  request_id=job.request_id, prefill=prefill.url, prefill_ms=ms(elapsed), transfer_id=route.transfer_id,
                   decode=pair.decode.url, kv_transfer_params=sorted(result.kv_params or ()))
         return result
 
@@ -188,7 +188,7 @@ class PDClient:
             return Leg(decode, answer=answer)
         response: Response | None = None
         try:
-            async with asyncio.timeout(first_chunk_s := job.budgets.first_chunk(computes_prompt)):
+            with within(first_chunk_s := job.budgets.first_chunk(computes_prompt)):
                 # Until its first chunk a decode waits for the prompt's KV (or computes the prompt): it may stay silent for
                 # the whole first-chunk budget; then idle_timeout_ms between chunks.
                 work_ms = round(job.budgets.work_s * 1000) if computes_prompt else 0
@@ -220,11 +220,11 @@ class PDClient:
         """Streams only: a non-streamed answer has no first-token moment the router can see."""
         now = time.perf_counter()
         ttft = now - job.started
-        self.metrics.ttft.observe(ttft, mode=self.pairing.mode)
+        self.metrics.observe_ttft(ttft, self.pairing.mode)
         if self.fleet.handoff.prefill_leg:
             self.metrics.kv_handoff.observe(now - sent)
         log_event(events.ROUTER_DECODE_FIRST_TOKEN, f"first token after {ttft * 1000:.1f} ms", request_id=job.request_id,
-                  decode=pair.decode.url, ttft_ms=round(ttft * 1000, 2))
+                  decode=pair.decode.url, ttft_ms=ms(ttft))
 
     def _decode_failed(self, job: Job, decode: Any, failure: LegFailed, *, mid_stream: bool, retried: bool) -> None:
         log_event(events.ROUTER_DECODE_FAILED, f"decode {decode.url} failed{' mid-stream' if mid_stream else ''}: {failure.error.message}",

@@ -120,14 +120,16 @@ class UsageStore:
     def flush(self) -> int:
         """Write the queued requests to the file in one transaction; how many there were."""
         pending, self._pending = self._pending, []
-        if pending:
-            with self._db:  # BEGIN … COMMIT; a failure rolls back and the requests stay queued
-                try:
+        try:
+            if len(pending) == 1:  # one statement is a transaction of its own (autocommit): a third less work
+                self._db.execute(_UPSERT, pending[0])
+            elif pending:
+                with self._db:  # BEGIN … COMMIT; a failure (its commit's too) rolls back
                     self._db.execute("BEGIN")
                     self._db.executemany(_UPSERT, pending)
-                except BaseException:
-                    self._pending[:0] = pending
-                    raise
+        except BaseException:  # nothing of it was written: the requests stay queued
+            self._pending[:0] = pending
+            raise
         return len(pending)
 
     def close(self) -> None:

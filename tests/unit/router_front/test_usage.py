@@ -78,7 +78,8 @@ async def test_finished_requests_reach_the_file_within_the_flush_interval(make_r
     reader.close()
 
 
-def test_a_failed_write_keeps_the_requests_for_the_next_one(tmp_path) -> None:
+@pytest.mark.parametrize("queued", [1, 3])  # one request is written as one statement; more, in one transaction
+def test_a_failed_write_keeps_the_requests_for_the_next_one(tmp_path, queued: int) -> None:
     """If the file cannot be written (here: its table vanished), nothing is lost: the next flush writes it all."""
     store = UsageStore(tmp_path / "usage.sqlite3")
     store.add("alice", 10, 5)  # no event loop: written at once
@@ -86,15 +87,16 @@ def test_a_failed_write_keeps_the_requests_for_the_next_one(tmp_path) -> None:
     other = sqlite3.connect(tmp_path / "usage.sqlite3")
     other.execute("ALTER TABLE key_usage RENAME TO moved")
     other.commit()
-    store.add("alice", 1, 1)  # its write fails: it stays queued
+    for _ in range(queued):
+        store.add("alice", 1, 1)  # its write fails: it stays queued
     with pytest.raises(sqlite3.OperationalError, match="no such table"):
         store.flush()
-    assert store.pending == 1 and store.get("alice").total_tokens == 17  # memory stays right meanwhile
+    assert store.pending == queued and store.get("alice").total_tokens == 15 + 2 * queued  # memory stays right meanwhile
     other.execute("ALTER TABLE moved RENAME TO key_usage")
     other.commit()
-    assert store.flush() == 1 and store.pending == 0
+    assert store.flush() == queued and store.pending == 0
     store.close()
-    assert other.execute("SELECT requests, prompt_tokens, completion_tokens FROM key_usage").fetchall() == [(2, 11, 6)]
+    assert other.execute("SELECT requests, prompt_tokens, completion_tokens FROM key_usage").fetchall() == [(1 + queued, 10 + queued, 5 + queued)]
     other.close()
 
 

@@ -16,7 +16,7 @@ from stack.common import events
 from stack.common.errors import Overloaded, UpstreamError, UpstreamTimeout
 from stack.router import config as router_config
 from stack.router.app import create_app
-from stack.router.deadlines import budgets, work_s, worst_case_s
+from stack.router.deadlines import budgets, within, work_s, worst_case_s
 from stack.router.scheduler import SchedulerConfig
 from tests.unit.router_pd.conftest import batches, INTERNAL_KEY, backend, router_settings, typed, until
 from tests.unit.router_pd.fake_engine import Faults
@@ -50,6 +50,65 @@ def test_the_worst_case_is_the_window_s() -> None:
     assert bounds["prefill_s"] == pytest.approx(60 + work_s(SchedulerConfig(), 32768), abs=0.1)
     assert bounds["first_byte_s"] == pytest.approx(120 + work_s(SchedulerConfig(), 32768), abs=0.1)
     assert bounds["stream_s"] == pytest.approx(bounds["first_byte_s"] + 600, abs=0.1)
+
+
+async def test_within_ends_a_block_that_outlasts_its_time_with_timeout_error() -> None:
+    """within(s) is asyncio.timeout(s): the block is cancelled when the time is up and that leaves it as TimeoutError;
+    the task itself is not left cancelled."""
+    with pytest.raises(TimeoutError):
+        with within(0.05):
+            await asyncio.Event().wait()  # never set
+    assert asyncio.current_task().cancelling() == 0
+    assert await asyncio.sleep(0, "still runs") == "still runs"  # a cancellation left pending would raise here
+
+
+async def test_within_leaves_a_block_that_ends_in_time_alone() -> None:
+    """A block that ends in time is not cancelled later, when its time would have been up."""
+    with within(0.05):
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.15)  # past the time: a timer left running would cancel this await
+    assert asyncio.current_task().cancelling() == 0
+
+
+async def test_within_keeps_a_cancellation_from_elsewhere_a_cancellation() -> None:
+    """A client that leaves cancels the handler: inside within() that stays CancelledError, not a timeout."""
+    entered = asyncio.Event()
+
+    async def block() -> None:
+        with within(30):
+            entered.set()
+            await asyncio.Event().wait()
+
+    task = asyncio.create_task(block())
+    await entered.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_an_inner_within_that_expires_leaves_the_outer_one_running() -> None:
+    """The first chunk's budget inside the request's deadline: the inner one's TimeoutError is the inner block's."""
+    with within(30):
+        with pytest.raises(TimeoutError):
+            with within(0.05):
+                await asyncio.Event().wait()
+        await asyncio.sleep(0)  # the outer block goes on
+    assert asyncio.current_task().cancelling() == 0
+
+
+async def test_within_outside_a_task_says_so() -> None:
+    """In a loop's callback there is no task to cancel."""
+    raised = asyncio.get_running_loop().create_future()
+
+    def callback() -> None:
+        try:
+            with within(1):
+                pass
+        except RuntimeError as exc:
+            raised.set_result(str(exc))
+
+    asyncio.get_running_loop().call_soon(callback)
+    assert "inside one" in await raised
 
 
 async def test_health_and_the_start_line_report_the_worst_case_at_the_engines_window(fake, pd, logs):
