@@ -92,7 +92,9 @@ class Pairing:
             raise
         tried.prefill_try += prefill is not None
         route = self.handoff.route(job.request_id, prefill or decode, decode)
-        where = f"prefill {prefill.url} → decode {decode.url}" if prefill else f"decode {decode.url} computes the prompt ({self.mode})"
+        # ASCII only: one "→" makes the whole line a two-byte-per-character string to build, search and encode (~9k
+        # instructions more a request).
+        where = f"prefill {prefill.url} -> decode {decode.url}" if prefill else f"decode {decode.url} computes the prompt ({self.mode})"
         # The request's one line before its legs: what was asked (api, model, stream) and when (queue_ms before now).
         log_event(events.ROUTER_SCHEDULED, f"{job.api} request for {job.req.model}: {where}", request_id=job.request_id,
                   api=job.api, model=job.req.model, stream=job.stream, prefill=(prefill or decode).url, decode=decode.url,
