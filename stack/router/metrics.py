@@ -133,6 +133,7 @@ class Metrics:
         self._by_leg: dict[tuple[str, str, str], CounterSeries] = {}
         self._by_prompt_backend: dict[str, tuple[CounterSeries, CounterSeries]] = {}
         self._by_mode: dict[str, HistogramSeries] = {}
+        self._by_slo: dict[bool, CounterSeries] = {}
         self._collectors: list[Collector] = [self._slo_gauges]
         self._gauge_help: dict[str, str] = {
             "pd_router_slo_ttft_seconds": "The TTFT SLO goodput is counted against (PD_SLO_TTFT_MS).",
@@ -167,7 +168,10 @@ class Metrics:
         if chunks > 1:
             self.tpot.observe(tpot)
         met = ttft_seconds <= self.slo.ttft_s and tpot <= self.slo.tpot_s
-        self.slo_requests.inc(slo="met" if met else "missed")
+        series = self._by_slo.get(met)
+        if series is None:
+            series = self._by_slo[met] = self.slo_requests.labels(slo="met" if met else "missed")
+        series.value += 1
 
     def observe_prompt_cache(self, backend: BackendRef, usage: Any) -> None:
         """Count an engine's usage for the backend that computed the prompt: hit rate = cached / prompt tokens."""
