@@ -122,16 +122,6 @@ class Translator(Protocol):
 
 
 async def relay(request: web.Request, stream: DecodeStream, translator: Translator) -> web.StreamResponse:
-    """Relay `stream` (PDClient.open) to the client through `translator` (`_relay`), in a task of its own.
-
-    Each chunk wakes the coroutines that wait for it. In the handler's task those are ten frames, from aiohttp's
-    request handling down through the middleware and the API's handler to the read; in a task of its own, three
-    (`_relay`, `DecodeStream.next`, the read): ~1.5k fewer instructions a chunk for one task a stream
-    (docs/router-performance.md). A client that leaves cancels the handler, and with it the relay's task."""
-    return await asyncio.ensure_future(_relay(request, stream, translator))
-
-
-async def _relay(request: web.Request, stream: DecodeStream, translator: Translator) -> web.StreamResponse:
     """Relay `stream` (PDClient.open) to the client through `translator`, one write per network read of the engine's;
     every path ends the stream properly and closes `stream`.
 
