@@ -94,7 +94,7 @@ class within:  # noqa: N801 - used as a statement: `with within(deadline_s):`
     """`with within(seconds): …` is `async with asyncio.timeout(seconds): …` for the running task: the block is
     cancelled when the time is up, and that cancellation leaves it as TimeoutError (a cancellation from elsewhere stays
     one). asyncio's Timeout costs ~28k instructions a use (callgrind; its state machine, a running-loop lookup per
-    call) and a stream uses two (the request's deadline, decode's first chunk): this is one timer and ~5k."""
+    call) and a stream uses two (the request's deadline, decode's first chunk): this is one timer and ~10k."""
 
     __slots__ = ("_delay", "_task", "_cancelling", "_timer", "_expired")
 
