@@ -271,9 +271,9 @@ def request_context(request_id: str, client_request_id: str | None = None) -> It
 
 
 def ms(seconds: float) -> float:
-    """A duration as a line's milliseconds to 0.01 ms (`queue_ms`, `e2e_ms`…): what round(seconds * 1000, 2) gives, but
-    for a value that falls half-way in binary; round() with digits formats the number as decimal text to round it,
-    ~3k instructions, three or four times a request."""
+    """A duration as a line's milliseconds to 0.01 ms (`queue_ms`, `e2e_ms`…): round(seconds * 1000, 2) but for a value
+    exactly half-way between two hundredths. round() with digits formats the number as decimal text to round it: ~3k
+    instructions, three or four times a request."""
     return int(seconds * 100_000 + 0.5) / 100
 
 

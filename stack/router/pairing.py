@@ -92,7 +92,7 @@ class Pairing:
             raise
         tried.prefill_try += prefill is not None
         route = self.handoff.route(job.request_id, prefill or decode, decode)
-        # ASCII only: one "→" makes the whole line a two-byte-per-character string to build, search and encode (~9k
+        # ASCII only: one "→" makes the whole line a two-byte-per-character string to build, search and encode (5-9k
         # instructions more a request).
         where = f"prefill {prefill.url} -> decode {decode.url}" if prefill else f"decode {decode.url} computes the prompt ({self.mode})"
         # The request's one line before its legs: what was asked (api, model, stream) and when (queue_ms before now).
