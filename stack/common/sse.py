@@ -39,6 +39,35 @@ async def open_stream(request: web.Request, headers: dict[str, str] | None = Non
     return response
 
 
+class WriteNow:
+    """Writes on an open stream from a plain callback, not a coroutine (pd.DecodeStream.forward_to): where aiohttp's
+    own `write` would not wait, which is nearly always. `ready()` first: the client is still there and aiohttp's writer
+    would not drain (wait for the client's socket) before this write; then `write(frame)`.
+
+    aiohttp's `StreamWriter.write` is a coroutine that waits only to drain, and to compress (never on an event
+    stream: `open_stream` does not enable it). With `drain=False` its one step runs to the end, so it is stepped here
+    rather than scheduled; a write declined by `ready()` goes through `await stream.write`, which drains as usual."""
+
+    DRAIN_AFTER = 0x10000  # aiohttp's writer drains once more than this was written since its last drain (its LIMIT)
+
+    def __init__(self, request: web.Request, stream: web.StreamResponse) -> None:
+        assert not stream.compression, "an event stream is not compressed"
+        self._writer, self._transport = request.writer, request.transport
+
+    def ready(self) -> bool:
+        transport = self._transport
+        return transport is not None and not transport.is_closing() and self._writer.buffer_size <= self.DRAIN_AFTER
+
+    def write(self, frame: bytes) -> None:
+        step = self._writer.write(frame, drain=False)
+        try:
+            step.send(None)
+        except StopIteration:
+            return
+        step.close()
+        raise RuntimeError("aiohttp's stream writer waited in a write that drains nothing")
+
+
 dumps = json_text.compact  # a frame's data: compact UTF-8 JSON
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -70,7 +70,12 @@ class Response:
     """An engine's answer: status and headers once `EngineHTTP.post` returns, the body as it arrives.
 
     `content.readany()` answers whatever bytes have arrived at each wake-up, b"" at the end, and `iter_any()` yields
-    them (aiohttp's StreamReader shape, which sse.FrameReader reads); `read()` the whole body."""
+    them (aiohttp's StreamReader shape, which sse.FrameReader reads); `read()` the whole body.
+
+    `forward`, when a relay sets it, is offered each network read that arrives while the reader waits with nothing
+    unread: True means it sent the bytes on itself, there and then, and the reader is not woken for them (a streamed
+    token goes from this connection's read to the client's socket without a task step; pd.DecodeStream.forward_to).
+    Anything it declines is queued for `readany` as usual, so order is kept: nothing is offered while bytes wait."""
 
     def __init__(self, connection: _Connection) -> None:
         self._connection = connection
@@ -82,9 +87,13 @@ class Response:
         self._done = False  # the body's end arrived
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self.forward: Callable[[bytes], bool] | None = None
 
     # --- fed by the connection ---
     def _feed(self, data: bytes) -> None:
+        if self.forward is not None and not self._chunks and self._waiter is not None and not self._waiter.done() \
+                and self.forward(data):
+            return
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER:
@@ -134,6 +143,7 @@ class Response:
     def close(self) -> None:
         """Done with this answer: a connection whose answer ended is already back in its pool; any other is closed
         (the engine sees the disconnect and stops)."""
+        self.forward = None
         if not self._done:
             self._connection.drop()
             self._finish(Disconnected("the answer was closed before its end", mid_body=True))

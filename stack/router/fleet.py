@@ -17,20 +17,19 @@ from typing import Any
 import aiohttp
 from aiohttp.abc import AbstractResolver
 
-from stack.common import events
-from stack.common.errors import REQUEST_ID_HEADER
+from stack.common import events, json_text
 from stack.common.logging import log_event
 from stack.router.backends import build_pool, is_colocated
 from stack.router.config import RouterConfig
 from stack.router.deadlines import worst_case_s
 from stack.router.discovery import KVDiscovery, kv_hints
-from stack.router.engine_http import EngineHTTP
+from stack.router.engine_http import EngineHTTP, Response
 from stack.router.handoff import handoff_for
 from stack.router.metrics import Metrics
 from stack.router.monitor import HealthMonitor
 from stack.router.replicas import ReplicaWatcher
 from stack.router.scheduler import Scheduler
-from stack.router.upstream import timeout
+from stack.router.upstream import leg_headers, leg_timeout, timeout
 
 
 class Fleet:
@@ -44,7 +43,7 @@ class Fleet:
         self.handoff = handoff_for(s.kv_connector, same_endpoints=is_colocated(config.prefill, config.decode))
         self.mode = "disaggregated" if self.handoff.prefill_leg else "colocated"
         self.clock = clock
-        self.session = session  # health checks, KV discovery, /tokenize
+        self.session = session  # health checks, KV discovery
         self.engines = EngineHTTP(session.headers)  # the legs (engine_http.py), with the session's headers: the internal key
         registers = self.handoff.registers
         breaker = (s.breaker_failures, s.breaker_cooldown_ms / 1000)
@@ -60,7 +59,7 @@ class Fleet:
         self.watchers = [ReplicaWatcher(pool, role, self.scheduler, breaker, self.monitor.leave, self.monitor.admit, resolver, clock)
                          for pool, role in roles if pool.discover and not registers]
         self._sources = {"decode": config.decode.discover or "static", "prefill": config.prefill.discover or "static"}
-        self._tokenize_timeout = timeout(s.connect_timeout_ms, s.first_token_timeout_ms)
+        self._tokenize_timeout = leg_timeout(s.connect_timeout_ms, s.first_token_timeout_ms)
 
     async def start(self) -> None:
         """The discover pools' first members, then the monitor's first round over them (real states), then both loops."""
@@ -97,14 +96,19 @@ class Fleet:
 
     async def tokenizer_call(self, request_id: str, path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
         """POST `body` to vLLM's `path` (/tokenize, /detokenize) on a usable decode: (status, JSON answer), or None
-        when no decode answers. Takes no slot (issue 10: the router's /tokenize, exact prompt counts)."""
+        when no decode answers. Takes no slot (issue 10: the router's /tokenize, exact prompt counts). On the legs'
+        client: every streamed Anthropic message asks this (message_start's input_tokens), with the whole prompt."""
+        payload = json_text.compact(body)
         for backend in self.scheduler.pool("decode"):
             if not backend.usable:
                 continue
+            response: Response | None = None
             try:
-                async with self.session.post(backend.url + path, json=body, headers={REQUEST_ID_HEADER: request_id},
-                                             timeout=self._tokenize_timeout) as response:
-                    return response.status, await response.json(content_type=None)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                response = await self.engines.post(backend.url + path, payload, leg_headers(request_id), self._tokenize_timeout)
+                return response.status, json_text.loads(await response.read())
+            except (ConnectionError, TimeoutError, ValueError):  # engine_http's typed failures; an answer not JSON
                 continue
+            finally:
+                if response is not None:
+                    response.close()  # read to its end, it is back in the pool already; else dropped (the engine stops)
         return None

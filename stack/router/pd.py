@@ -30,7 +30,7 @@ from typing import Any
 from stack.common import events
 from stack.common.errors import UpstreamError, UpstreamTimeout
 from stack.common.logging import log_event, ms
-from stack.common.sse import DONE_DATA, FrameReader
+from stack.common.sse import DONE_DATA, FrameReader, WriteNow
 from stack.protocol.types import Request
 from stack.router.deadlines import budgets, within
 from stack.router.fleet import Fleet
@@ -240,7 +240,13 @@ class DecodeStream:
     A failure raises the client's APIError, after the good chunks before it were returned. `close()`, always: it
     closes an unfinished leg's connection (the engine cancels and frees the KV) and frees the decode's slot. A
     coroutine the relay awaits, not an async generator it iterates: a streamed chunk passes through one frame here
-    (docs/router-performance.md)."""
+    (docs/router-performance.md).
+
+    `forward_to(out)`, once the relay has written the first batch: from then on an ordinary token chunk that arrives
+    while the relay waits in `next()` (the network read is one frame of the learnt shape, relay.Passthrough.whole) is
+    written to the client from the engine connection's read itself, and counted, without waking the relay: at a
+    token every few milliseconds, most of a stream's chunks pass so. `sent` counts the token chunks the client was
+    sent either way."""
 
     def __init__(self, client: PDClient, job: Job, tried: Tried, leg: Leg, raw_model: str | None,
                  text_frame: TextFrame | None) -> None:
@@ -256,6 +262,29 @@ class DecodeStream:
         # that arrived with it; or, when the prefill finished the answer, that answer as the chunks decode would have sent.
         self._ready: list[dict[str, Any] | bytes] = answer_chunks(leg.answer) if leg.answer is not None else [first]
         self._take(leg.rest, self._ready)
+        self.sent = 0  # token chunks the client was sent: by the relay, or forwarded
+        self._out: WriteNow | None = None
+
+    def forward_to(self, out: WriteNow) -> None:
+        """Write token chunks to `out` as they arrive, where that is certain to keep their order (the class doc)."""
+        if self.passthrough is not None and self.leg.response is not None:
+            self._out = out
+            self.leg.response.forward = self._forward
+
+    def _forward(self, block: bytes) -> bool:
+        """A network read that arrived while the relay waits with nothing unsent: written on and True, or False and
+        the relay wakes for it as usual (anything but a token chunk taken whole, a client behind or gone)."""
+        out, reader, passthrough = self._out, self.leg.reader, self.passthrough
+        if out is None or passthrough is None or reader is None or self._ready or self._done or self._bad is not None \
+                or not reader.idle or not out.ready():
+            return False
+        relayed = passthrough.whole(block)  # (before it, nothing may decline: a translated frame's text_frame keeps state)
+        if relayed is None:
+            return False
+        out.write(relayed)
+        self.tally.token(time.perf_counter())
+        self.sent += 1
+        return True
 
     async def next(self) -> list[dict[str, Any] | bytes] | None:
         try:
@@ -330,6 +359,7 @@ class DecodeStream:
             log_event(events.ROUTER_CLIENT_DISCONNECTED, "client went away; upstream decode cancelled", "WARNING",
                       request_id=self.job.request_id, decode=self.leg.decode.url, chunks_relayed=self.tally.tokens)
             self._over = True
+        self._out = None
         if self.leg.response is not None:
             self.leg.response.close()  # unless finished, this drops the connection: the engine cancels and frees the KV
         self.client.pairing.release_decode(self.tried)

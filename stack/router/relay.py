@@ -217,16 +217,17 @@ class Tally:
         now = time.perf_counter()  # chunks of one batch arrived together: the gaps inside it are 0
         for chunk in chunks:
             if isinstance(chunk, bytes):
-                self._token(now)
+                self.token(now)
                 continue
             choices = chunk.get("choices")
             if choices:
-                self._token(now)
+                self.token(now)
                 self.finished = self.finished or bool(choices[0].get("finish_reason"))
             if chunk.get("usage"):
                 self.usage = chunk["usage"]
 
-    def _token(self, now: float) -> None:
+    def token(self, now: float) -> None:
+        """One token chunk arrived at `now`."""
         if self.tokens:
             self.metrics.itl.observe(now - self.last)
         else:

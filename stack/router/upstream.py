@@ -208,7 +208,7 @@ def leg_timeout(connect_ms: int, total_ms: int | None = None, read_ms: int | Non
                    first_ms / 1000 if first_ms else None)
 
 
-def _headers(request_id: str) -> dict[str, str]:
+def leg_headers(request_id: str) -> dict[str, str]:
     """The leg's id, and the client's own X-Request-ID so the engines' lines carry it too (client_request_id)."""
     client_id = client_request_id()
     return {**_JSON_HEADERS, REQUEST_ID_HEADER: request_id, **({CLIENT_REQUEST_ID_HEADER: client_id} if client_id else {})}
@@ -220,7 +220,7 @@ async def post_json(client: EngineHTTP, backend: Backend, path: str, body: bytes
     client gone) or timed out, the connection is closed, not returned to the pool: the engine sees the disconnect."""
     response: Response | None = None
     try:
-        response = await client.post(backend.url + path, body, _headers(request_id), leg)
+        response = await client.post(backend.url + path, body, leg_headers(request_id), leg)
         if response.status >= 400:
             raise await response_failure(backend, response)
         data = json_text.loads(await response.read())  # engines answer UTF-8 JSON
@@ -244,7 +244,7 @@ async def open_stream(client: EngineHTTP, backend: Backend, path: str, body: byt
                       leg: Timeout) -> Response:
     """POST a streamed leg and return the open 200 response (the caller reads and closes it)."""
     try:
-        response = await client.post(backend.url + path, body, _headers(request_id), leg)
+        response = await client.post(backend.url + path, body, leg_headers(request_id), leg)
     except Exception as exc:  # noqa: BLE001
         raise exception_failure(backend, exc, "stream start") from exc
     if response.status >= 400:

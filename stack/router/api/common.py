@@ -129,22 +129,22 @@ async def relay(request: web.Request, stream: DecodeStream, translator: Translat
     translator's in-band error frames close the stream. A client that went away closes the decode leg, which the engine
     sees and cancels.
     """
-    relayed = 0  # token chunks sent: the charge when no usage came (a broken stream, a client that left)
     try:
         batch = await stream.next()
         out = await sse.open_stream(request, {REQUEST_ID_HEADER: request[REQUEST_ID]})
+        stream.forward_to(sse.WriteNow(request, out))  # most token chunks go on from here without waking this loop
         try:
             try:
                 while batch is not None:
                     frames: list[bytes] = []
                     for chunk in batch:
                         if isinstance(chunk, bytes):  # a token chunk's frame, ready (relay.Passthrough): no usage in it
-                            relayed += 1
+                            stream.sent += 1
                             frames.append(chunk)
                             continue
                         if chunk.get("usage"):
                             charge(request, chunk["usage"])
-                        relayed += bool(chunk.get("choices"))
+                        stream.sent += bool(chunk.get("choices"))
                         frames += translator.chunk(chunk)
                     if frames:
                         await out.write(frames[0] if len(frames) == 1 else b"".join(frames))
@@ -167,5 +167,5 @@ async def relay(request: web.Request, stream: DecodeStream, translator: Translat
             # (the router's estimate), which was computed for it: leaving before the end is no way around a quota.
             # A stream the engine broke charges no prompt: an engine's failure is not the client's.
             left = request.get(STREAM_ERROR) == "client_disconnected"
-            request[TOKENS] = (stream.job.prompt_tokens if left else 0, relayed)
+            request[TOKENS] = (stream.job.prompt_tokens if left else 0, stream.sent)
         stream.close()
