@@ -97,7 +97,8 @@ class Fleet:
     async def tokenizer_call(self, request_id: str, path: str, body: dict[str, Any]) -> tuple[int, Any] | None:
         """POST `body` to vLLM's `path` (/tokenize, /detokenize) on a usable decode: (status, JSON answer), or None
         when no decode answers. Takes no slot (issue 10: the router's /tokenize, exact prompt counts). On the legs'
-        client: every streamed Anthropic message asks this (message_start's input_tokens), with the whole prompt."""
+        client: a streamed Anthropic message asks this with its whole prompt (message_start's input_tokens), unless
+        the context clamp counted it already."""
         payload = json_text.compact(body)
         for backend in self.scheduler.pool("decode"):
             if not backend.usable:

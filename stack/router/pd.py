@@ -359,7 +359,6 @@ class DecodeStream:
             log_event(events.ROUTER_CLIENT_DISCONNECTED, "client went away; upstream decode cancelled", "WARNING",
                       request_id=self.job.request_id, decode=self.leg.decode.url, chunks_relayed=self.tally.tokens)
             self._over = True
-        self._out = None
         if self.leg.response is not None:
-            self.leg.response.close()  # unless finished, this drops the connection: the engine cancels and frees the KV
+            self.leg.response.close()  # unless finished, this drops the connection (the engine cancels and frees the KV); it unhooks _forward
         self.client.pairing.release_decode(self.tried)
